@@ -1,0 +1,1 @@
+"""blink-jax: a JAX-native LLM inference server for Gemma models."""

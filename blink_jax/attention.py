@@ -1,0 +1,94 @@
+"""Paged KV-cache writes and the plain-jnp paged attention oracle.
+
+Layout (docs/CONTRACTS.md): per layer `k_pages, v_pages [P, page_size, K, h]`; sequence slot
+`s` keeps its position `p` at page `page_table[s, p // page_size]`, row `p % page_size`.
+Padding rows have `seq_id == -1`: they write nothing and their outputs are garbage (but finite).
+
+`paged_attention_reference` is deliberately simple and runs on any backend; it is the oracle
+that faster kernels (Pallas, CUDA) are tested against, and it shares its signature with them.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Finite "minus infinity": a fully masked row (a padding token) softmaxes to a uniform average
+# of finite values instead of NaN.
+MASK_VALUE = -1e30
+
+# Tokens attended together (vmapped) per step of the reference's sequential loop; bounds the
+# gathered K/V copy to [TOKEN_BLOCK, max_pages * page_size, K, h] however large T is.
+TOKEN_BLOCK = 64
+
+
+def apply_softcap(x: jax.Array, cap: float | None) -> jax.Array:
+  """Gemma's tanh soft-capping: cap * tanh(x / cap); identity when cap is None."""
+  if cap is None:
+    return x
+  return cap * jnp.tanh(x / cap)
+
+
+def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
+             page_table: jax.Array, seq_ids: jax.Array,
+             positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Writes k, v [T, K, h] of each token at its (sequence, position) slot of the pages.
+
+  Rows with seq_id < 0 (padding), a position past the page table or an out-of-range page id
+  are dropped, not written (rather than overwriting some other slot).
+  """
+  page_table, seq_ids, positions = map(jnp.asarray, (page_table, seq_ids, positions))
+  num_pages, page_size = k_pages.shape[:2]
+  max_pages = page_table.shape[1]
+  page_idx = positions // page_size
+  valid = (seq_ids >= 0) & (page_idx >= 0) & (page_idx < max_pages)
+  page_idx = jnp.clip(page_idx, 0, max_pages - 1)
+  page = page_table[jnp.maximum(seq_ids, 0), page_idx]
+  valid &= (page >= 0) & (page < num_pages)
+  # An index one past the end is dropped by mode="drop" (a negative one would wrap around).
+  slot = jnp.where(valid, page * page_size + positions % page_size, num_pages * page_size)
+
+  def write(pages, x):
+    flat = pages.reshape(num_pages * page_size, *pages.shape[2:])
+    flat = flat.at[slot].set(x.astype(pages.dtype), mode="drop")
+    return flat.reshape(pages.shape)
+
+  return write(k_pages, k), write(v_pages, v)
+
+
+def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                              page_table: jax.Array, seq_ids: jax.Array, positions: jax.Array,
+                              *, window: int | None, softcap: float | None,
+                              scale: float) -> jax.Array:
+  """Attention of each token q [T, H, h] over its own sequence's cached keys.
+
+  Token t attends to the keys of sequence `seq_ids[t]` at positions p with
+  p <= positions[t] and, when `window` is set, positions[t] - p < window (HF Gemma's sliding
+  window: the token itself plus window - 1 earlier ones). The K/V of the current step must
+  already be written (see `write_kv`). Logits and softmax are float32; returns [T, H, h] in
+  q's dtype.
+  """
+  page_table, seq_ids, positions = map(jnp.asarray, (page_table, seq_ids, positions))
+  _, num_heads, head_dim = q.shape
+  _, page_size, num_kv_heads, _ = k_pages.shape
+  group = num_heads // num_kv_heads
+  seq_len = page_table.shape[1] * page_size
+  key_pos = jnp.arange(seq_len, dtype=jnp.int32)
+
+  def one_token(args):
+    q_t, seq_id, pos = args
+    pages = page_table[jnp.maximum(seq_id, 0)]  # [max_pages]
+    # Entries past the sequence's length may be garbage: clip them; they are masked below.
+    k = jnp.take(k_pages, pages, axis=0, mode="clip").reshape(seq_len, num_kv_heads, head_dim)
+    v = jnp.take(v_pages, pages, axis=0, mode="clip").reshape(seq_len, num_kv_heads, head_dim)
+    q_t = q_t.reshape(num_kv_heads, group, head_dim)  # query head n uses kv head n // group
+    logits = jnp.einsum("kgh,lkh->kgl", q_t, k, preferred_element_type=jnp.float32) * scale
+    logits = apply_softcap(logits, softcap)
+    mask = key_pos <= pos
+    if window is not None:
+      mask &= pos - key_pos < window
+    logits = jnp.where(mask, logits, MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("kgl,lkh->kgh", probs, v)
+    return out.reshape(num_heads, head_dim).astype(q.dtype)
+
+  return jax.lax.map(one_token, (q, seq_ids, positions), batch_size=TOKEN_BLOCK)

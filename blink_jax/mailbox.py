@@ -1,0 +1,235 @@
+"""Frontend-side access to the mailbox: submit requests, cancel, read output rings (no JAX).
+
+`Region` is the transport seam: a flat byte region with loads and stores at offsets. The
+shared-memory and in-process transports hand a numpy view (stores are plain CPU stores, which
+x86 keeps in program order, so "payload first, sequence word last" holds); remote transports
+(TCP relay, RDMA) implement the same two calls.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from blink_jax import protocol as P
+
+
+class Region(Protocol):
+  """A flat byte region: the one thing a transport provides."""
+
+  def read(self, offset: int, nbytes: int) -> bytes: ...
+
+  def write(self, offset: int, data: bytes) -> None: ...
+
+
+class LocalRegion:
+  """Memory of this process (POSIX shm mapping or a plain buffer)."""
+
+  def __init__(self, buf: np.ndarray):
+    self.buf = buf.view(np.uint8).reshape(-1)
+
+  @property
+  def address(self) -> int:
+    return self.buf.ctypes.data
+
+  def read(self, offset: int, nbytes: int) -> bytes:
+    return self.buf[offset:offset + nbytes].tobytes()
+
+  def write(self, offset: int, data: bytes) -> None:
+    self.buf[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
+
+
+def init_header(region: Region, geo: P.Geometry, *, vocab_size: int, max_context: int,
+                num_workers: int, eos_id: int) -> None:
+  """Writes a fresh header (engine side, before READY)."""
+  h = np.zeros((), P.HEADER_DTYPE)
+  h["magic"], h["version"], h["header_bytes"] = P.MAGIC, P.VERSION, P.HEADER_BYTES
+  h["num_slots"], h["max_prompt"] = geo.num_slots, geo.max_prompt
+  h["ring_capacity"], h["max_top_logprobs"] = geo.ring_capacity, geo.max_top_logprobs
+  h["request_bytes"], h["output_bytes"] = geo.request_bytes, geo.output_bytes
+  h["total_bytes"], h["vocab_size"], h["max_context"] = geo.total_bytes, vocab_size, max_context
+  h["num_workers"], h["eos_id"] = num_workers, eos_id
+  h["engine_state"] = P.EngineState.STARTING
+  region.write(0, h.tobytes())
+
+
+def read_header(region: Region) -> np.ndarray:
+  h = np.frombuffer(region.read(0, P.HEADER_BYTES), P.HEADER_DTYPE)[0]
+  if int(h["magic"]) != P.MAGIC or int(h["version"]) != P.VERSION:
+    raise ValueError(f"not a blink mailbox (magic {int(h['magic']):#x}, version "
+                     f"{int(h['version'])}); expected version {P.VERSION}")
+  return h
+
+
+def geometry_of(h: np.ndarray) -> P.Geometry:
+  return P.Geometry(int(h["num_slots"]), int(h["max_prompt"]), int(h["ring_capacity"]),
+                    int(h["max_top_logprobs"]))
+
+
+def _u32(x: int) -> bytes:
+  return int(x).to_bytes(4, "little")
+
+
+@dataclasses.dataclass
+class Request:
+  """What the frontend writes into a slot (validated again on the device)."""
+  prompt: Sequence[int]
+  max_tokens: int
+  temperature: float = 0.0
+  top_p: float = 1.0
+  top_k: int = 0
+  seed: int = 0
+  stop_ids: Sequence[int] = ()
+  num_logprobs: int = 0
+  logprobs: bool = False
+  ignore_eos: bool = False
+  request_id: int = 0
+
+
+@dataclasses.dataclass
+class Output:
+  """New entries of a slot since the last poll, and its finish if it has finished."""
+  tokens: list[int]
+  logprobs: list[float]
+  top: list[list[tuple[int, float]]]
+  finished: bool
+  finish_reason: P.Finish = P.Finish.NONE
+  error: P.Error = P.Error.NONE
+  admit_ticket: int = 0
+  preemptions: int = 0
+
+
+class SlotsFullError(RuntimeError):
+  """Every slot of this worker holds a request."""
+
+
+class MailboxClient:
+  """One frontend worker's view: it alone writes the request side of its slot range."""
+
+  def __init__(self, region: Region, worker: int = 0, num_workers: int = 1):
+    self.region = region
+    self.header = read_header(region)
+    self.geo = geometry_of(self.header)
+    self.worker = worker
+    self.slots = self.geo.worker_slots(worker, num_workers)
+    self._lock = threading.Lock()
+    self._free = list(reversed(self.slots))
+    self._seq: dict[int, int] = {}
+    self._read: dict[int, int] = {}
+    self._doorbell = int(self.header["doorbell"][worker])
+    # Continue the sequence numbers a previous client of these slots left behind.
+    for s in self.slots:
+      req = self._request(s)
+      self._seq[s] = int(req["seq"])
+
+  # ---- low level ----
+  def _request(self, slot: int) -> np.ndarray:
+    raw = self.region.read(self.geo.request_offset(slot), P.REQUEST_FIXED_BYTES)
+    return np.frombuffer(raw, P.REQUEST_DTYPE)[0]
+
+  def _output(self, slot: int) -> np.ndarray:
+    raw = self.region.read(self.geo.output_offset(slot), P.OUTPUT_FIXED_BYTES)
+    return np.frombuffer(raw, P.OUTPUT_DTYPE)[0]
+
+  def _ring_doorbell(self) -> None:
+    self._doorbell += 1
+    off = P.HEADER_DTYPE.fields["doorbell"][1] + 8 * self.worker
+    self.region.write(off, self._doorbell.to_bytes(8, "little"))
+
+  def header_now(self) -> np.ndarray:
+    return read_header(self.region)
+
+  @property
+  def free_slots(self) -> int:
+    return len(self._free)
+
+  # ---- requests ----
+  def submit(self, r: Request, overrides: dict | None = None) -> int:
+    """Writes `r` into a free slot and publishes it; returns the slot.
+
+    `overrides` are request fields written verbatim after the normal encoding (tests use it to
+    forge requests the device must reject).
+    """
+    g = self.geo
+    if len(r.stop_ids) > P.MAX_STOP_IDS:
+      raise ValueError(f"at most {P.MAX_STOP_IDS} stop token ids, got {len(r.stop_ids)}")
+    if len(r.prompt) > g.max_prompt:
+      raise ValueError(f"prompt of {len(r.prompt)} tokens exceeds the slot capacity "
+                       f"{g.max_prompt}")
+    with self._lock:
+      if not self._free:
+        raise SlotsFullError(f"all {len(self.slots)} slots of worker {self.worker} are busy")
+      slot = self._free.pop()
+      seq = (self._seq[slot] + 1) & 0xFFFFFFFF or 1
+      self._seq[slot] = seq
+      self._read[slot] = 0
+      req = np.zeros((), P.REQUEST_DTYPE)
+      req["cancel"], req["consumed"], req["prompt_len"] = 0, 0, len(r.prompt)
+      req["request_id"], req["seed"] = r.request_id, r.seed & 0xFFFFFFFFFFFFFFFF
+      req["max_tokens"] = r.max_tokens
+      req["temperature"], req["top_p"], req["top_k"] = r.temperature, r.top_p, r.top_k
+      req["num_logprobs"] = r.num_logprobs
+      req["flags"] = ((P.FLAG_LOGPROBS if r.logprobs else 0)
+                      | (P.FLAG_IGNORE_EOS if r.ignore_eos else 0))
+      req["num_stop_ids"] = len(r.stop_ids)
+      req["arrival_ns"] = time.monotonic_ns()
+      req["stop_ids"][:len(r.stop_ids)] = list(r.stop_ids)
+      for k, v in (overrides or {}).items():
+        req[k] = v
+      req["seq"] = self._request(slot)["seq"]  # unchanged until the payload is in place
+      # Payload first (prompt, then the fixed fields), the sequence word last.
+      self.region.write(g.prompt_offset(slot),
+                        np.asarray(r.prompt, dtype=np.int64).astype("<i4").tobytes())
+      self.region.write(g.request_offset(slot), req.tobytes())
+      self.region.write(g.request_offset(slot), _u32(seq))
+      self._ring_doorbell()
+      return slot
+
+  def cancel(self, slot: int) -> None:
+    with self._lock:
+      self.region.write(self.geo.request_offset(slot) + 4, _u32(self._seq[slot]))
+      self._ring_doorbell()
+
+  def poll(self, slot: int) -> Output:
+    """Reads the entries produced since the last poll (and marks them consumed)."""
+    g, seq = self.geo, self._seq[slot]
+    out = self._output(slot)
+    if int(out["started_seq"]) != seq:
+      return Output([], [], [], False)
+    finished = int(out["finished_seq"]) == seq
+    count = int(out["count"])  # read after finished_seq: includes every entry if finished
+    if finished:
+      out = self._output(slot)
+      count = int(out["count"])
+    start = self._read[slot]
+    n = count - start
+    tokens, lps, top = [], [], []
+    if n > 0:
+      idx = [(start + i) % g.ring_capacity for i in range(n)]
+      ring_t = np.frombuffer(self.region.read(g.out_tokens_offset(slot), 4 * g.ring_capacity),
+                             "<i4")
+      ring_l = np.frombuffer(self.region.read(g.out_logprobs_offset(slot),
+                                              4 * g.ring_capacity), "<f4")
+      tokens = [int(ring_t[i]) for i in idx]
+      lps = [float(ring_l[i]) for i in idx]
+      k = g.max_top_logprobs
+      if k:
+        ti = np.frombuffer(self.region.read(g.out_top_ids_offset(slot),
+                                            4 * k * g.ring_capacity), "<i4").reshape(-1, k)
+        tl = np.frombuffer(self.region.read(g.out_top_logprobs_offset(slot),
+                                            4 * k * g.ring_capacity), "<f4").reshape(-1, k)
+        top = [[(int(a), float(b)) for a, b in zip(ti[i], tl[i])] for i in idx]
+      self._read[slot] = count
+      self.region.write(g.request_offset(slot) + 8, _u32(count))  # consumed
+    return Output(tokens, lps, top, finished,
+                  P.Finish(int(out["finish_reason"])) if finished else P.Finish.NONE,
+                  P.Error(int(out["error_code"])) if finished else P.Error.NONE,
+                  int(out["admit_ticket"]), int(out["preemptions"]))
+
+  def release(self, slot: int) -> None:
+    """Returns a finished (and fully read) slot to this worker's free list."""
+    with self._lock:
+      self._free.append(slot)

@@ -1,0 +1,280 @@
+"""Gemma 2 / Gemma 3 text model in Flax NNX.
+
+One module serves both families: Gemma 3 adds QK RMSNorm, Gemma 2 adds attention-logit and
+final-logit soft-capping; both alternate local (sliding-window) and global layers and differ in
+the per-layer RoPE base/scale (all of it read from `ModelConfig`). The math follows
+google-deepmind/gemma `gm/nn/_modules.py` and HF `modeling_gemma3.py`.
+
+Parameters are NNX Params laid out exactly as the tree of docs/CONTRACTS.md, so `to_params` /
+`from_params` are a key conversion away from `nnx.state`. Layers are a plain (unrolled) list.
+
+Two forwards share the per-layer math (`Block.qkv`, `Block.finish`) and differ only in
+attention: `forward` is the ragged paged step of the serving engine, `dense_forward` a plain
+causal forward over contiguous K/V that serves as its oracle.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from blink_jax.attention import MASK_VALUE, apply_softcap, paged_attention_reference, write_kv
+from blink_jax.config import ModelConfig
+
+KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k_pages, v_pages) [P, page, K, h]
+AttentionFn = Callable[..., jax.Array]  # the signature of paged_attention_reference
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm with Gemma's (1 + w) scale, computed in float32, returned in x's dtype."""
+  xf = x.astype(jnp.float32)
+  normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, base: float, scale: float) -> jax.Array:
+  """Rotary embedding of x [..., N, h] at positions [...], "rotate_half" convention.
+
+  Dimension i of the first half pairs with dimension i + h/2 (not the interleaved
+  convention). `scale` divides positions (linear RoPE scaling). Computed in float32.
+  """
+  head_dim = x.shape[-1]
+  inv_freq = 1.0 / base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+  angles = (positions.astype(jnp.float32) / scale)[..., None, None] * inv_freq  # [..., 1, h/2]
+  sin, cos = jnp.sin(angles), jnp.cos(angles)
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype: Any) -> nnx.Param:
+  return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+
+
+def _norm_weight(rngs: nnx.Rngs, dim: int, dtype: Any) -> nnx.Param:
+  # Random rather than zero (the trained init) so tests exercise the 1 + w convention.
+  return _normal(rngs, (dim,), 0.1, dtype)
+
+
+class Attention(nnx.Module):
+  """Projections, QK norm and RoPE of one layer, plus its static attention settings."""
+
+  def __init__(self, cfg: ModelConfig, layer: int, *, param_dtype: Any, rngs: nnx.Rngs):
+    d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.q = _normal(rngs, (d, n, h), d**-0.5, param_dtype)
+    self.k = _normal(rngs, (d, k, h), d**-0.5, param_dtype)
+    self.v = _normal(rngs, (d, k, h), d**-0.5, param_dtype)
+    self.o = _normal(rngs, (n, h, d), (n * h)**-0.5, param_dtype)
+    self.use_qk_norm = cfg.use_qk_norm
+    if cfg.use_qk_norm:
+      self.q_norm = _norm_weight(rngs, h, param_dtype)
+      self.k_norm = _norm_weight(rngs, h, param_dtype)
+    self.eps = cfg.rms_norm_eps
+    self.rope_base, self.rope_scale = cfg.rope(layer)
+    self.window = cfg.window(layer)
+    self.softcap = cfg.attn_logit_softcap
+    self.scale = cfg.query_pre_attn_scalar**-0.5
+
+  def attention_kwargs(self) -> dict[str, Any]:
+    """The keyword arguments of an attention function for this layer."""
+    return dict(window=self.window, softcap=self.softcap, scale=self.scale)
+
+  def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [..., D] -> q [..., H, h], k, v [..., K, h]; q and k normed (Gemma 3) and rotated."""
+    dtype = x.dtype
+    q = jnp.einsum("...d,dnh->...nh", x, self.q[...].astype(dtype))
+    k = jnp.einsum("...d,dnh->...nh", x, self.k[...].astype(dtype))
+    v = jnp.einsum("...d,dnh->...nh", x, self.v[...].astype(dtype))
+    if self.use_qk_norm:
+      q = rms_norm(q, self.q_norm[...], self.eps)
+      k = rms_norm(k, self.k_norm[...], self.eps)
+    q = apply_rope(q, positions, self.rope_base, self.rope_scale)
+    k = apply_rope(k, positions, self.rope_base, self.rope_scale)
+    return q, k, v
+
+  def out(self, attn: jax.Array) -> jax.Array:
+    """attn [..., H, h] -> [..., D]."""
+    return jnp.einsum("...nh,nhd->...d", attn, self.o[...].astype(attn.dtype))
+
+
+class MLP(nnx.Module):
+  """GeGLU feed-forward: down(gelu_tanh(gate(x)) * up(x))."""
+
+  def __init__(self, cfg: ModelConfig, *, param_dtype: Any, rngs: nnx.Rngs):
+    d, f = cfg.d_model, cfg.ffw_hidden
+    self.gate = _normal(rngs, (d, f), d**-0.5, param_dtype)
+    self.up = _normal(rngs, (d, f), d**-0.5, param_dtype)
+    self.down = _normal(rngs, (f, d), f**-0.5, param_dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    dtype = x.dtype
+    gate = jax.nn.gelu(x @ self.gate[...].astype(dtype), approximate=True)
+    return (gate * (x @ self.up[...].astype(dtype))) @ self.down[...].astype(dtype)
+
+
+class Block(nnx.Module):
+  """One decoder layer, split around attention so both forwards share everything else."""
+
+  def __init__(self, cfg: ModelConfig, layer: int, *, param_dtype: Any, rngs: nnx.Rngs):
+    d = cfg.d_model
+    self.pre_attn_norm = _norm_weight(rngs, d, param_dtype)
+    self.post_attn_norm = _norm_weight(rngs, d, param_dtype)
+    self.pre_ffw_norm = _norm_weight(rngs, d, param_dtype)
+    self.post_ffw_norm = _norm_weight(rngs, d, param_dtype)
+    self.attn = Attention(cfg, layer, param_dtype=param_dtype, rngs=rngs)
+    self.mlp = MLP(cfg, param_dtype=param_dtype, rngs=rngs)
+    self.eps = cfg.rms_norm_eps
+
+  def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Residual stream x [..., D] -> the attention inputs q, k, v."""
+    return self.attn.qkv(rms_norm(x, self.pre_attn_norm[...], self.eps), positions)
+
+  def finish(self, x: jax.Array, attn: jax.Array) -> jax.Array:
+    """Residual stream and attention output [..., H, h] -> the layer's output [..., D]."""
+    x = x + rms_norm(self.attn.out(attn), self.post_attn_norm[...], self.eps)
+    h = self.mlp(rms_norm(x, self.pre_ffw_norm[...], self.eps))
+    return x + rms_norm(h, self.post_ffw_norm[...], self.eps)
+
+
+class Gemma(nnx.Module):
+  """Gemma 2 / 3 decoder-only text model (see the module docstring)."""
+
+  def __init__(self, cfg: ModelConfig, *, dtype: Any = jnp.bfloat16, param_dtype: Any = None,
+               rngs: nnx.Rngs | None = None):
+    """Random init (normal; for tests). `dtype`: activations and KV cache; `param_dtype`:
+    stored weights (defaults to `dtype`); `rngs` defaults to nnx.Rngs(0)."""
+    rngs = nnx.Rngs(0) if rngs is None else rngs
+    param_dtype = dtype if param_dtype is None else param_dtype
+    self.cfg = cfg
+    self.dtype = jnp.dtype(dtype)
+    self.embed = _normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.d_model**-0.5, param_dtype)
+    self.final_norm = _norm_weight(rngs, cfg.d_model, param_dtype)
+    self.layers = nnx.List(
+        [Block(cfg, i, param_dtype=param_dtype, rngs=rngs) for i in range(cfg.num_layers)])
+
+  # -- parameter tree (docs/CONTRACTS.md) --------------------------------------------------
+
+  def to_params(self) -> dict[str, Any]:
+    """The nested-dict parameter tree of docs/CONTRACTS.md (layer keys "0", "1", ...)."""
+    return _str_keys(nnx.to_pure_dict(nnx.state(self, nnx.Param)))
+
+  @classmethod
+  def from_params(cls, cfg: ModelConfig, params: dict[str, Any], *, dtype: Any = jnp.bfloat16,
+                  param_dtype: Any = None) -> "Gemma":
+    """Builds the model around an existing tree (the inverse of `to_params`).
+
+    Arrays are kept as given (no copy, no cast) unless `param_dtype` is set. Raises ValueError
+    naming every missing, unexpected or mis-shaped entry.
+    """
+    model = nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    state = nnx.state(model, nnx.Param)
+    expected = _flatten(_str_keys(nnx.to_pure_dict(state)))
+    given = _flatten(params)
+    errors = [f"missing {k} {v.shape}" for k, v in expected.items() if k not in given]
+    errors += [f"unexpected {k}" for k in given if k not in expected]
+    errors += [f"{k}: shape {tuple(given[k].shape)}, expected {v.shape}"
+               for k, v in expected.items() if k in given and tuple(given[k].shape) != v.shape]
+    if errors:
+      raise ValueError(f"parameter tree does not fit {cfg.name}: " + "; ".join(errors))
+    convert = jnp.asarray if param_dtype is None else (lambda a: jnp.asarray(a, param_dtype))
+    nnx.replace_by_pure_dict(state, _int_keys(jax.tree.map(convert, params)))
+    nnx.update(model, state)
+    return model
+
+  # -- forwards ----------------------------------------------------------------------------
+
+  def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+    """tokens [...] -> [..., D]: rows of the embedding times sqrt(D), both in the activation
+    dtype first (as the references do: in bf16, sqrt(D) itself is rounded)."""
+    x = jnp.take(self.embed[...], tokens, axis=0, mode="clip").astype(self.dtype)
+    return x * jnp.asarray(math.sqrt(self.cfg.d_model), self.dtype)
+
+  def forward(self, tokens: jax.Array, positions: jax.Array, seq_ids: jax.Array,
+              page_table: jax.Array, kv_cache: KVCache,
+              attention_fn: AttentionFn | None = None) -> tuple[jax.Array, KVCache]:
+    """One ragged paged step (docs/CONTRACTS.md): tokens/positions/seq_ids [T] int32,
+    page_table [S, max_pages]. Every token writes its K/V, then attends to its sequence.
+
+    Returns the final hidden states [T, D] (before the final norm; see `logits`) and the new
+    caches. `attention_fn` defaults to `paged_attention_reference`.
+    """
+    attention_fn = paged_attention_reference if attention_fn is None else attention_fn
+    x = self.embed_tokens(tokens)
+    new_cache = []
+    for layer, (k_pages, v_pages) in zip(self.layers, kv_cache, strict=True):
+      q, k, v = layer.qkv(x, positions)
+      k_pages, v_pages = write_kv(k_pages, v_pages, k, v, page_table, seq_ids, positions)
+      attn = attention_fn(q, k_pages, v_pages, page_table, seq_ids, positions,
+                          **layer.attn.attention_kwargs())
+      x = layer.finish(x, attn)
+      new_cache.append((k_pages, v_pages))
+    return x, new_cache
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """hidden [..., D] -> float32 logits [..., V]: final norm, tied head, final softcap."""
+    x = rms_norm(hidden, self.final_norm[...], self.cfg.rms_norm_eps)
+    logits = jnp.einsum("...d,vd->...v", x, self.embed[...].astype(x.dtype),
+                        preferred_element_type=jnp.float32)
+    return apply_softcap(logits, self.cfg.final_logit_softcap)
+
+  def dense_forward(self, tokens: jax.Array) -> jax.Array:
+    """Plain causal forward of tokens [B, L] from position 0 -> float32 logits [B, L, V]."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    x = self.embed_tokens(tokens)
+    for layer in self.layers:
+      q, k, v = layer.qkv(x, positions)
+      x = layer.finish(x, dense_attention(q, k, v, **layer.attn.attention_kwargs()))
+    return self.logits(x)
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None,
+                    softcap: float | None, scale: float) -> jax.Array:
+  """Causal GQA attention over contiguous q [B, L, H, h], k, v [B, L, K, h] -> [B, L, H, h]."""
+  b, length, num_heads, head_dim = q.shape
+  num_kv_heads = k.shape[2]
+  q = q.reshape(b, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
+  logits = jnp.einsum("bqkgh,bskh->bkgqs", q, k, preferred_element_type=jnp.float32) * scale
+  logits = apply_softcap(logits, softcap)
+  q_pos = jnp.arange(length)[:, None]
+  k_pos = jnp.arange(length)[None, :]
+  mask = k_pos <= q_pos
+  if window is not None:
+    mask &= q_pos - k_pos < window  # HF: kv_idx > q_idx - sliding_window
+  logits = jnp.where(mask, logits, MASK_VALUE)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgqs,bskh->bqkgh", probs, v)
+  return out.reshape(b, length, num_heads, head_dim)
+
+
+def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int,
+                  dtype: Any = jnp.bfloat16) -> KVCache:
+  """Zeroed per-layer (k_pages, v_pages), each [num_pages, page_size, K, h]."""
+  shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+  return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+
+
+def _str_keys(tree: Any) -> Any:
+  """NNX state keys (ints for list entries) -> contract keys (strings)."""
+  if isinstance(tree, dict):
+    return {str(k): _str_keys(v) for k, v in tree.items()}
+  return tree
+
+
+def _int_keys(tree: Any) -> Any:
+  """Contract keys -> NNX state keys (decimal strings back to the ints of nnx.List)."""
+  if isinstance(tree, dict):
+    return {(int(k) if k.isdecimal() else k): _int_keys(v) for k, v in tree.items()}
+  return tree
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+  """{"a": {"b": x}} -> {"a/b": x}."""
+  if not isinstance(tree, dict):
+    return {prefix: tree}
+  out = {}
+  for k, v in tree.items():
+    out.update(_flatten(v, f"{prefix}/{k}" if prefix else str(k)))
+  return out

@@ -1,0 +1,230 @@
+// C API of the scheduler library for Python (ctypes): sizes, initial state, config checks,
+// the mailbox layout for the protocol mirror test, and direct host entry points used by the
+// property tests (the same code the CPU FFI handlers run).
+#include <cstddef>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "mailbox.h"
+#include "sched_state.h"
+#include "scheduler.h"
+
+namespace {
+const BlinkSchedConfig& as_config(const int64_t* words) {
+  return *reinterpret_cast<const BlinkSchedConfig*>(words);
+}
+thread_local std::string g_message;
+}  // namespace
+
+extern "C" {
+
+const char* blink_sched_config_fields() {
+  static const char* names[] = {BLINK_SCHED_CONFIG_FIELDS};
+  static std::string joined;
+  if (joined.empty())
+    for (int i = 0; i < BLINK_SCHED_CONFIG_NUM_FIELDS; ++i)
+      joined += std::string(i ? "," : "") + names[i];
+  return joined.c_str();
+}
+
+int64_t blink_state_words(const int64_t* cfg) { return BlinkStateLayout(as_config(cfg)).total; }
+int64_t blink_batch_words_c(const int64_t* cfg) { return blink_batch_words(as_config(cfg)); }
+
+void blink_state_init(const int64_t* cfg, int32_t* state) {
+  blink_state_init_host(as_config(cfg), state);
+}
+
+// Returns "" when the config is usable, else a message naming the bad value.
+const char* blink_config_check(const int64_t* words) {
+  const BlinkSchedConfig& c = as_config(words);
+  char buf[256];
+  buf[0] = 0;
+  if (c.num_slots < 1) snprintf(buf, sizeof buf, "num_slots=%lld must be >= 1", (long long)c.num_slots);
+  else if (c.max_seqs < 1) snprintf(buf, sizeof buf, "max_seqs=%lld must be >= 1", (long long)c.max_seqs);
+  else if (c.page_size < 1) snprintf(buf, sizeof buf, "page_size=%lld must be >= 1", (long long)c.page_size);
+  else if (c.ring_capacity < 1) snprintf(buf, sizeof buf, "ring_capacity=%lld must be >= 1", (long long)c.ring_capacity);
+  else if (c.num_buckets < 1 || c.num_buckets > BLINK_MAX_BUCKETS)
+    snprintf(buf, sizeof buf, "num_buckets=%lld must be in [1, %d]", (long long)c.num_buckets, BLINK_MAX_BUCKETS);
+  else if (c.bucket(int(c.num_buckets) - 1) != c.token_budget)
+    snprintf(buf, sizeof buf, "the largest bucket (%lld) must equal token_budget=%lld",
+             (long long)c.bucket(int(c.num_buckets) - 1), (long long)c.token_budget);
+  else if (c.token_budget < c.max_seqs)
+    snprintf(buf, sizeof buf, "token_budget=%lld must be >= max_seqs=%lld", (long long)c.token_budget, (long long)c.max_seqs);
+  else if (c.num_pages < c.max_pages_per_seq())
+    snprintf(buf, sizeof buf, "num_pages=%lld cannot hold one sequence of max_context=%lld (%lld pages)",
+             (long long)c.num_pages, (long long)c.max_context, (long long)c.max_pages_per_seq());
+  else if (c.max_context < 2) snprintf(buf, sizeof buf, "max_context=%lld must be >= 2", (long long)c.max_context);
+  for (int i = 1; !buf[0] && i < c.num_buckets; ++i)
+    if (c.bucket(i) <= c.bucket(i - 1))
+      snprintf(buf, sizeof buf, "buckets must increase: bucket%d=%lld", i, (long long)c.bucket(i));
+  g_message = buf;
+  return g_message.c_str();
+}
+
+// "name=offset;..." for every fixed field of the mailbox structs (checked by the Python mirror).
+const char* blink_mailbox_layout() {
+  static std::string s;
+  if (!s.empty()) return s.c_str();
+  char b[96];
+#define F(strct, prefix, field)                                                     \
+  snprintf(b, sizeof b, "%s.%s=%zu;", prefix, #field, offsetof(strct, field)); \
+  s += b;
+  F(BlinkMailboxHeader, "header", magic) F(BlinkMailboxHeader, "header", version)
+  F(BlinkMailboxHeader, "header", header_bytes) F(BlinkMailboxHeader, "header", num_slots)
+  F(BlinkMailboxHeader, "header", max_prompt) F(BlinkMailboxHeader, "header", ring_capacity)
+  F(BlinkMailboxHeader, "header", max_top_logprobs) F(BlinkMailboxHeader, "header", request_bytes)
+  F(BlinkMailboxHeader, "header", output_bytes) F(BlinkMailboxHeader, "header", total_bytes)
+  F(BlinkMailboxHeader, "header", vocab_size) F(BlinkMailboxHeader, "header", max_context)
+  F(BlinkMailboxHeader, "header", num_workers) F(BlinkMailboxHeader, "header", eos_id)
+  F(BlinkMailboxHeader, "header", engine_state) F(BlinkMailboxHeader, "header", shutdown)
+  F(BlinkMailboxHeader, "header", doorbell) F(BlinkMailboxHeader, "header", loop_iterations)
+  F(BlinkMailboxHeader, "header", steps) F(BlinkMailboxHeader, "header", tokens_generated)
+  F(BlinkMailboxHeader, "header", prompt_tokens) F(BlinkMailboxHeader, "header", requests_admitted)
+  F(BlinkMailboxHeader, "header", requests_finished) F(BlinkMailboxHeader, "header", requests_errored)
+  F(BlinkMailboxHeader, "header", requests_cancelled) F(BlinkMailboxHeader, "header", preemptions)
+  F(BlinkMailboxHeader, "header", pages_in_use) F(BlinkMailboxHeader, "header", pages_total)
+  F(BlinkMailboxHeader, "header", running) F(BlinkMailboxHeader, "header", waiting)
+  F(BlinkMailboxHeader, "header", last_step_tokens)
+  F(BlinkSlotRequest, "request", seq) F(BlinkSlotRequest, "request", cancel)
+  F(BlinkSlotRequest, "request", consumed) F(BlinkSlotRequest, "request", prompt_len)
+  F(BlinkSlotRequest, "request", request_id) F(BlinkSlotRequest, "request", seed)
+  F(BlinkSlotRequest, "request", max_tokens) F(BlinkSlotRequest, "request", temperature)
+  F(BlinkSlotRequest, "request", top_p) F(BlinkSlotRequest, "request", top_k)
+  F(BlinkSlotRequest, "request", num_logprobs) F(BlinkSlotRequest, "request", flags)
+  F(BlinkSlotRequest, "request", num_stop_ids) F(BlinkSlotRequest, "request", arrival_ns)
+  F(BlinkSlotRequest, "request", stop_ids)
+  F(BlinkSlotOutput, "output", started_seq) F(BlinkSlotOutput, "output", finished_seq)
+  F(BlinkSlotOutput, "output", count) F(BlinkSlotOutput, "output", finish_reason)
+  F(BlinkSlotOutput, "output", error_code) F(BlinkSlotOutput, "output", prompt_len)
+  F(BlinkSlotOutput, "output", preemptions) F(BlinkSlotOutput, "output", admit_ticket)
+#undef F
+  snprintf(b, sizeof b, "const.header_bytes=%d;const.request_fixed_bytes=%d;const.output_fixed_bytes=%d;",
+           BLINK_HEADER_BYTES, BLINK_REQUEST_FIXED_BYTES, BLINK_OUTPUT_FIXED_BYTES);
+  s += b;
+  snprintf(b, sizeof b, "const.max_workers=%d;const.max_stop_ids=%d;const.version=%u;",
+           BLINK_MAX_WORKERS, BLINK_MAX_STOP_IDS, BLINK_VERSION);
+  s += b;
+  return s.c_str();
+}
+
+// Indices of the batch descriptor (checked against blink_jax/batch.py).
+const char* blink_batch_layout() {
+  static std::string s;
+  if (!s.empty()) return s.c_str();
+  char b[512];
+  snprintf(b, sizeof b,
+           "num_rows=%d;bucket=%d;bucket_size=%d;num_samples=%d;shutdown=%d;num_decode=%d;"
+           "header_words=%d;tokens=%d;positions=%d;seq_ids=%d;token_arrays=%d;rows=%d;lanes=%d;"
+           "temperature=%d;top_p=%d;top_k=%d;seed_lo=%d;seed_hi=%d;position=%d;num_logprobs=%d;"
+           "sample_arrays=%d;",
+           B_NUM_ROWS, B_BUCKET, B_BUCKET_SIZE, B_NUM_SAMPLES, B_SHUTDOWN, B_NUM_DECODE,
+           B_HEADER_WORDS, BT_TOKENS, BT_POSITIONS, BT_SEQ_IDS, BT_NUM, BS_ROWS, BS_LANES,
+           BS_TEMPERATURE, BS_TOP_P, BS_TOP_K, BS_SEED_LO, BS_SEED_HI, BS_POSITION,
+           BS_NUM_LOGPROBS, BS_NUM);
+  s = b;
+  return s.c_str();
+}
+
+// Geometry-dependent offsets of `slot`: request, prompt, output, out tokens, out logprobs,
+// out top ids, out top logprobs, total bytes.
+void blink_geometry_offsets(const uint32_t* g4, uint32_t slot, uint64_t* out8) {
+  BlinkGeometry g{g4[0], g4[1], g4[2], g4[3]};
+  out8[0] = g.request_offset(slot);
+  out8[1] = g.prompt_offset(slot);
+  out8[2] = g.output_offset(slot);
+  out8[3] = g.out_tokens_offset(slot);
+  out8[4] = g.out_logprobs_offset(slot);
+  out8[5] = g.out_top_ids_offset(slot);
+  out8[6] = g.out_top_logprobs_offset(slot);
+  out8[7] = g.total_bytes();
+}
+
+// Direct host entry points (same code as the CPU FFI handlers, without XLA).
+void blink_host_schedule(const int64_t* cfg, int32_t* state, int32_t* history,
+                         int32_t* page_table, int32_t* batch) {
+  const BlinkSchedConfig& c = as_config(cfg);
+  BlinkSched(c, reinterpret_cast<uint8_t*>(c.mailbox), state, history, page_table, batch)
+      .schedule(HostExec{});
+}
+
+void blink_host_commit(const int64_t* cfg, int32_t* state, int32_t* history, int32_t* page_table,
+                       int32_t* batch, const int32_t* sampled, const float* logprobs,
+                       const int32_t* top_ids, const float* top_lps, int64_t top_cols) {
+  const BlinkSchedConfig& c = as_config(cfg);
+  BlinkSched(c, reinterpret_cast<uint8_t*>(c.mailbox), state, history, page_table, batch)
+      .commit(HostExec{}, sampled, logprobs, top_ids, top_lps, top_cols);
+}
+
+// Invariants of a state between steps (test hook): every page is free or owned by exactly
+// one lane, lanes are free or in the admission order exactly once, prefixes fit their pages.
+const char* blink_state_check(const int64_t* cfg, int32_t* state, int32_t* page_table) {
+  const BlinkSchedConfig& c = as_config(cfg);
+  BlinkSched s(c, nullptr, state, nullptr, page_table, nullptr);
+  std::string err;
+  std::vector<int> page_owner(c.num_pages, -2), lane_seen(c.max_seqs, 0);
+  auto fail = [&](const std::string& m) { if (err.empty()) err = m; };
+  int32_t nfree = s.s(S_FREE_COUNT);
+  if (nfree < 0 || nfree > c.num_pages) fail("free count out of range");
+  for (int32_t i = 0; err.empty() && i < nfree; ++i) {
+    int32_t p = s.region(s.lay.free_pages)[i];
+    if (p < 0 || p >= c.num_pages) fail("free page id out of range");
+    else if (page_owner[p] != -2) fail("page " + std::to_string(p) + " free twice");
+    else page_owner[p] = -1;
+  }
+  int32_t norder = s.s(S_ORDER_COUNT), nfl = s.s(S_FREE_LANES);
+  if (norder + nfl != c.max_seqs) fail("lanes: order + free != max_seqs");
+  for (int32_t i = 0; err.empty() && i < norder; ++i) {
+    int32_t l = s.region(s.lay.order)[i];
+    if (l < 0 || l >= c.max_seqs || lane_seen[l]++) { fail("order holds a bad or repeated lane"); break; }
+    if (s.lane(L_STATE, l) == LANE_FREE) fail("a free lane is in the order");
+    if (i > 0 && s.lane(L_TICKET, s.region(s.lay.order)[i - 1]) >= s.lane(L_TICKET, l))
+      fail("order is not sorted by admission");
+    if (s.lane(L_STATE, l) == LANE_PREEMPTED && s.lane(L_PAGES, l) != 0)
+      fail("a preempted lane holds pages");
+    if (s.lane(L_COMPUTED, l) > s.lane(L_LEN, l)) fail("computed > len");
+    if (s.pages_for(s.lane(L_COMPUTED, l)) > s.lane(L_PAGES, l)) fail("computed tokens exceed pages");
+    for (int32_t p = 0; err.empty() && p < s.lane(L_PAGES, l); ++p) {
+      int32_t pg = s.pt(l, p);
+      if (pg < 0 || pg >= c.num_pages) fail("page table entry out of range");
+      else if (page_owner[pg] != -2)
+        fail("page " + std::to_string(pg) + " owned twice (lane " + std::to_string(l) + ")");
+      else page_owner[pg] = l;
+    }
+  }
+  for (int32_t i = 0; err.empty() && i < nfl; ++i) {
+    int32_t l = s.region(s.lay.free_lanes)[i];
+    if (l < 0 || l >= c.max_seqs || lane_seen[l]++) fail("free lane list holds a bad or repeated lane");
+    else if (s.lane(L_STATE, l) != LANE_FREE) fail("a busy lane is in the free list");
+  }
+  for (int64_t p = 0; err.empty() && p < c.num_pages; ++p)
+    if (page_owner[p] == -2) fail("page " + std::to_string(p) + " leaked");
+  g_message = err;
+  return g_message.c_str();
+}
+
+// Scheduler counters and scalars, for tests and engine stats.
+void blink_state_summary(const int64_t* cfg, const int32_t* state, int64_t* out16) {
+  const BlinkSchedConfig& c = as_config(cfg);
+  BlinkStateLayout lay(c);
+  const uint64_t* ctr = reinterpret_cast<const uint64_t*>(state + lay.counters);
+  const int32_t* sc = state + lay.scalars;
+  out16[0] = sc[S_FREE_COUNT];
+  out16[1] = sc[S_ORDER_COUNT];
+  out16[2] = sc[S_Q_TAIL] - sc[S_Q_HEAD];
+  out16[3] = sc[S_FREE_LANES];
+  out16[4] = int64_t(ctr[C_STEPS]);
+  out16[5] = int64_t(ctr[C_TOKENS_GENERATED]);
+  out16[6] = int64_t(ctr[C_PROMPT_TOKENS]);
+  out16[7] = int64_t(ctr[C_ADMITTED]);
+  out16[8] = int64_t(ctr[C_FINISHED]);
+  out16[9] = int64_t(ctr[C_ERRORED]);
+  out16[10] = int64_t(ctr[C_CANCELLED]);
+  out16[11] = int64_t(ctr[C_PREEMPTIONS]);
+  out16[12] = int64_t(ctr[C_LOOP_ITERATIONS]);
+  out16[13] = 0;
+  out16[14] = 0;
+  out16[15] = 0;
+}
+}  // extern "C"

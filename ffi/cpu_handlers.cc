@@ -1,0 +1,84 @@
+// CPU XLA FFI handlers: blink_schedule and blink_commit run the scheduler (scheduler.h) with
+// the host execution policy on buffers of the executor's loop carry.
+#include <cstring>
+
+#include "config_attrs.h"
+#include "scheduler.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+// Results alias their inputs when XLA honours input_output_aliases; copy when it did not.
+template <ffi::DataType T>
+void carry(const ffi::Buffer<T>& in, ffi::ResultBuffer<T>& out) {
+  if (in.untyped_data() != out->untyped_data())
+    std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
+}
+
+ffi::Error check_state(const BlinkSchedConfig& c, const ffi::Buffer<ffi::S32>& state) {
+  if (int64_t(state.element_count()) != BlinkStateLayout(c).total)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "scheduler state has the wrong size");
+  if (c.mailbox == 0) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "no mailbox");
+  return ffi::Error::Success();
+}
+
+ffi::Error ScheduleImpl(ffi::Buffer<ffi::S32> state, ffi::Buffer<ffi::S32> history,
+                        ffi::Buffer<ffi::S32> page_table, ffi::ResultBuffer<ffi::S32> state_out,
+                        ffi::ResultBuffer<ffi::S32> history_out,
+                        ffi::ResultBuffer<ffi::S32> page_table_out,
+                        ffi::ResultBuffer<ffi::S32> batch, BlinkSchedConfig c) {
+  if (auto e = check_state(c, state); e.failure()) return e;
+  carry(state, state_out);
+  carry(history, history_out);
+  carry(page_table, page_table_out);
+  BlinkSched(c, reinterpret_cast<uint8_t*>(c.mailbox), state_out->typed_data(),
+             history_out->typed_data(), page_table_out->typed_data(), batch->typed_data())
+      .schedule(HostExec{});
+  return ffi::Error::Success();
+}
+
+ffi::Error CommitImpl(ffi::Buffer<ffi::S32> state, ffi::Buffer<ffi::S32> history,
+                      ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> batch,
+                      ffi::Buffer<ffi::S32> sampled, ffi::Buffer<ffi::F32> logprobs,
+                      ffi::Buffer<ffi::S32> top_ids, ffi::Buffer<ffi::F32> top_lps,
+                      ffi::ResultBuffer<ffi::S32> state_out,
+                      ffi::ResultBuffer<ffi::S32> history_out, BlinkSchedConfig c) {
+  if (auto e = check_state(c, state); e.failure()) return e;
+  carry(state, state_out);
+  carry(history, history_out);
+  auto dims = top_ids.dimensions();
+  int64_t cols = dims.size() == 2 ? dims[1] : 0;
+  BlinkSched(c, reinterpret_cast<uint8_t*>(c.mailbox), state_out->typed_data(),
+             history_out->typed_data(), const_cast<int32_t*>(page_table.typed_data()),
+             const_cast<int32_t*>(batch.typed_data()))
+      .commit(HostExec{}, sampled.typed_data(), logprobs.typed_data(), top_ids.typed_data(),
+              top_lps.typed_data(), cols);
+  return ffi::Error::Success();
+}
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BlinkScheduleCpu, ScheduleImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attrs<BlinkSchedConfig>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BlinkCommitCpu, CommitImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attrs<BlinkSchedConfig>());

@@ -1,0 +1,147 @@
+// Execution policies: the scheduler is written once as a sequence of phases, each either
+// serial (one thread) or parallel (an index range); a policy runs them on the host (plain
+// loops) or inside one CUDA thread block (thread 0 / block-stride loops, __syncthreads between
+// phases). Cross-phase values must live in memory (the state buffer), never in locals.
+#pragma once
+#include <stdint.h>
+
+#include "mailbox.h"
+
+#include <chrono>
+#include <thread>
+
+// Loads and stores of mailbox memory: the other side may write it at any time.
+#ifdef __CUDA_ARCH__
+template <class T>
+__device__ __forceinline__ T blink_load(const void* p) {
+  return *reinterpret_cast<const volatile T*>(p);
+}
+template <class T>
+__device__ __forceinline__ T blink_load_acquire(const void* p) {
+  T v = *reinterpret_cast<const volatile T*>(p);
+  __threadfence_system();
+  return v;
+}
+template <class T>
+__device__ __forceinline__ void blink_store(void* p, T v) {
+  *reinterpret_cast<volatile T*>(p) = v;
+}
+template <class T>
+__device__ __forceinline__ void blink_store_release(void* p, T v) {
+  __threadfence_system();
+  *reinterpret_cast<volatile T*>(p) = v;
+}
+#else
+template <class T>
+inline T blink_load(const void* p) {
+  return __atomic_load_n(reinterpret_cast<const T*>(p), __ATOMIC_RELAXED);
+}
+template <class T>
+inline T blink_load_acquire(const void* p) {
+  return __atomic_load_n(reinterpret_cast<const T*>(p), __ATOMIC_ACQUIRE);
+}
+template <class T>
+inline void blink_store(void* p, T v) {
+  __atomic_store_n(reinterpret_cast<T*>(p), v, __ATOMIC_RELAXED);
+}
+template <class T>
+inline void blink_store_release(void* p, T v) {
+  __atomic_store_n(reinterpret_cast<T*>(p), v, __ATOMIC_RELEASE);
+}
+#endif
+
+// Floats travel through the mailbox as bits: reinterpret without UB on both compilers.
+BLINK_HD float blink_bits_to_float(uint32_t b) {
+  union { uint32_t u; float f; } x;
+  x.u = b;
+  return x.f;
+}
+BLINK_HD uint32_t blink_float_to_bits(float f) {
+  union { uint32_t u; float f; } x;
+  x.f = f;
+  return x.u;
+}
+
+struct HostExec {
+  template <class F>
+  void parallel(int64_t n, F f) const {
+    for (int64_t i = 0; i < n; ++i) f(i);
+  }
+  template <class F>
+  void serial(F f) const {
+    f();
+  }
+  void sync() const {}
+  // out[i] = sum of value(j) for j < i; returns the total.
+  template <class F>
+  int32_t exclusive_scan(int64_t n, F value, int32_t* out) const {
+    int32_t acc = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      out[i] = acc;
+      acc += value(i);
+    }
+    return acc;
+  }
+  static uint64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  static void backoff(uint32_t attempt) {
+    // Spin briefly, then yield the core: an idle engine must not burn a host CPU.
+    if (attempt < 64) return;
+    std::this_thread::sleep_for(std::chrono::microseconds(attempt < 256 ? 1 : 20));
+  }
+};
+
+#ifdef __CUDACC__
+// One thread block runs the scheduler. `scratch` is shared memory of blockDim.x + 1 ints.
+struct DeviceExec {
+  int32_t* scratch;
+
+  template <class F>
+  __device__ void parallel(int64_t n, F f) const {
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) f(i);
+    __syncthreads();
+  }
+  template <class F>
+  __device__ void serial(F f) const {
+    if (threadIdx.x == 0) f();
+    __syncthreads();
+  }
+  __device__ void sync() const { __syncthreads(); }
+  template <class F>
+  __device__ int32_t exclusive_scan(int64_t n, F value, int32_t* out) const {
+    // Each thread owns a contiguous chunk; a Hillis-Steele scan over the chunk sums.
+    const int t = threadIdx.x, nt = blockDim.x;
+    const int64_t chunk = (n + nt - 1) / nt, lo = t * chunk;
+    const int64_t hi = lo + chunk < n ? lo + chunk : n;
+    int32_t local = 0;
+    for (int64_t i = lo; i < hi; ++i) local += value(i);
+    scratch[t] = local;
+    __syncthreads();
+    for (int off = 1; off < nt; off <<= 1) {
+      int32_t add = t >= off ? scratch[t - off] : 0;
+      __syncthreads();
+      scratch[t] += add;
+      __syncthreads();
+    }
+    int32_t acc = scratch[t] - local;
+    for (int64_t i = lo; i < hi; ++i) {
+      out[i] = acc;
+      acc += value(i);
+    }
+    int32_t total = scratch[nt - 1];
+    __syncthreads();
+    return total;
+  }
+  __device__ static uint64_t now_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+  }
+  __device__ static void backoff(uint32_t attempt) {
+    __nanosleep(attempt < 64 ? 100 : 1000);
+  }
+};
+#endif

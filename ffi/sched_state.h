@@ -1,0 +1,184 @@
+// Scheduler configuration and the layout of its device state.
+//
+// The state is one int32 buffer owned by the executor's loop carry (aliased in and out of the
+// FFI handlers, never hidden in globals); only this header knows its layout. Python asks the
+// library for its size (blink_state_words) and initialises it with blink_state_init.
+#pragma once
+#include <stdint.h>
+
+#include "mailbox.h"
+
+#define BLINK_MAX_BUCKETS 8
+#define BLINK_MAX_EOS 4
+
+// Passed to the FFI handlers as named attributes (names = field names; see
+// BLINK_SCHED_CONFIG_FIELDS) and to the C API as an int64 array in this order.
+struct BlinkSchedConfig {
+  int64_t mailbox;           // address of the mailbox as the executing device sees it
+  int64_t num_slots;
+  int64_t max_prompt;
+  int64_t ring_capacity;
+  int64_t max_top_logprobs;
+  int64_t vocab_size;
+  int64_t max_seqs;          // batch lanes
+  int64_t max_context;       // tokens per sequence (prompt + generated)
+  int64_t page_size;
+  int64_t num_pages;
+  int64_t token_budget;      // tokens per step (= the largest bucket)
+  int64_t num_buckets;
+  int64_t bucket0, bucket1, bucket2, bucket3, bucket4, bucket5, bucket6, bucket7;
+  int64_t eos0, eos1, eos2, eos3;  // -1 = unused
+  int64_t idle_poll_us;      // how long an idle schedule polls the mailbox before returning
+
+  BLINK_HD int64_t bucket(int i) const {
+    const int64_t* b = &bucket0;
+    return b[i];
+  }
+  BLINK_HD int64_t eos(int i) const {
+    const int64_t* e = &eos0;
+    return e[i];
+  }
+  BLINK_HD int64_t max_pages_per_seq() const { return (max_context + page_size - 1) / page_size; }
+  BLINK_HD BlinkGeometry geometry() const {
+    return BlinkGeometry{uint32_t(num_slots), uint32_t(max_prompt), uint32_t(ring_capacity),
+                         uint32_t(max_top_logprobs)};
+  }
+};
+
+#define BLINK_SCHED_CONFIG_FIELDS                                                             \
+  "mailbox", "num_slots", "max_prompt", "ring_capacity", "max_top_logprobs", "vocab_size",    \
+      "max_seqs", "max_context", "page_size", "num_pages", "token_budget", "num_buckets",      \
+      "bucket0", "bucket1", "bucket2", "bucket3", "bucket4", "bucket5", "bucket6", "bucket7",  \
+      "eos0", "eos1", "eos2", "eos3", "idle_poll_us"
+#define BLINK_SCHED_CONFIG_NUM_FIELDS 25
+static_assert(sizeof(BlinkSchedConfig) == 8 * BLINK_SCHED_CONFIG_NUM_FIELDS, "config fields");
+
+// Scalars of the state (int32 words after the 64-bit counters).
+enum BlinkScalar {
+  S_Q_HEAD = 0,       // waiting queue (ring of slot ids), head and tail as running counts
+  S_Q_TAIL,
+  S_FREE_COUNT,       // free_pages[0:S_FREE_COUNT] are free
+  S_ORDER_COUNT,      // order[0:S_ORDER_COUNT]: lanes in admission order
+  S_NEXT_TICKET,
+  S_SCAN,             // this schedule call scans the slots
+  S_NEW_COUNT,        // new requests found by the scan
+  S_NUM_ROWS,         // rows of this step's batch (holes included)
+  S_NUM_DECODE,       // rows taken by the decode fast path
+  S_NUM_SAMPLES,
+  S_NUM_ADMITTED,     // lanes admitted this step (awaiting prompt copy)
+  S_BLOCKED,          // an older request could not get pages: admit nothing new
+  S_FAST_OK,          // decode fast path may run
+  S_NEED_PAGES,       // pages the decode fast path needs
+  S_ANY_FINISH,       // some lane finishes in this commit
+  S_IDLE_RETRY,       // idle poll saw new work: run the schedule again
+  S_SHUTDOWN,
+  S_PROMPT_ROWS,      // prefill rows of this step (for counters)
+  S_FREE_LANES,       // free_lanes[0:S_FREE_LANES] are unused lanes
+  S_NUM_STEP_LANES,   // step_lanes[0:n]: lanes scheduled by the serial passes this step
+  S_ANY_PREFILL,      // some lane needs prefill or recompute
+  S_DOORBELL_NOW,     // doorbell sum read this step
+  S_RESCAN,           // a busy slot was republished: scan again at the next step
+  S_NUM_SCALARS = 32
+};
+
+// 64-bit counters (published to the mailbox header).
+enum BlinkCounter {
+  C_DOORBELL_SEEN = 0,
+  C_LOOP_ITERATIONS,
+  C_STEPS,
+  C_TOKENS_GENERATED,
+  C_PROMPT_TOKENS,
+  C_ADMITTED,
+  C_FINISHED,
+  C_ERRORED,
+  C_CANCELLED,
+  C_PREEMPTIONS,
+  C_NUM_COUNTERS = 16
+};
+
+// Per-lane fields, each an int32 array of max_seqs.
+enum BlinkLaneField {
+  L_STATE = 0,     // LANE_FREE / LANE_ACTIVE / LANE_PREEMPTED
+  L_SLOT,
+  L_SEQ,
+  L_LEN,           // tokens in history (prompt + generated)
+  L_COMPUTED,      // tokens whose K/V are in the cache
+  L_PROMPT_LEN,
+  L_GENERATED,
+  L_MAX_TOKENS,    // effective: min(max_tokens, max_context - prompt_len)
+  L_PAGES,         // pages owned (page_table[lane, 0:L_PAGES])
+  L_TICKET,        // admission order
+  L_FLAGS,
+  L_TEMPERATURE,   // float bits
+  L_TOP_P,         // float bits
+  L_TOP_K,
+  L_SEED_LO,
+  L_SEED_HI,
+  L_NUM_LOGPROBS,
+  L_NUM_STOP,
+  L_OUT_COUNT,     // output entries written
+  L_CONSUMED,      // frontend's consumed count, read this step
+  L_SCHED_N,       // tokens scheduled this step
+  L_ROW,           // first batch row this step
+  L_SAMPLES,       // 1 if this step samples the lane's next token
+  L_FINISH,        // pending BlinkFinish
+  L_ERROR,
+  L_PREEMPTS,
+  L_BAD,           // prompt copy found an invalid token id
+  L_TMP,
+  L_NUM_FIELDS
+};
+
+enum BlinkLaneState { LANE_FREE = 0, LANE_ACTIVE = 1, LANE_PREEMPTED = 2 };
+
+// Batch descriptor: int32 words read by the model step (mirrored in blink_jax/batch.py).
+enum BlinkBatchHeader {
+  B_NUM_ROWS = 0,
+  B_BUCKET,
+  B_BUCKET_SIZE,
+  B_NUM_SAMPLES,
+  B_SHUTDOWN,
+  B_NUM_DECODE,
+  B_HEADER_WORDS = 16
+};
+// Then token arrays of token_budget words: tokens, positions, seq_ids; then sample arrays of
+// max_seqs words: rows, lanes, temperature (bits), top_p (bits), top_k, seed_lo, seed_hi,
+// position of the token being sampled, num_logprobs (-1 = no logprobs).
+enum BlinkBatchTokenArray { BT_TOKENS = 0, BT_POSITIONS, BT_SEQ_IDS, BT_NUM };
+enum BlinkBatchSampleArray {
+  BS_ROWS = 0, BS_LANES, BS_TEMPERATURE, BS_TOP_P, BS_TOP_K, BS_SEED_LO, BS_SEED_HI,
+  BS_POSITION, BS_NUM_LOGPROBS, BS_NUM
+};
+
+BLINK_HD int64_t blink_batch_words(const BlinkSchedConfig& c) {
+  return B_HEADER_WORDS + BT_NUM * c.token_budget + BS_NUM * c.max_seqs;
+}
+
+// Word offsets of the state regions.
+struct BlinkStateLayout {
+  int64_t counters, scalars, taken, queue, busy, free_pages, order, free_lanes, new_lanes, step_lanes,
+      lanes, stop_ids, scratch_a, scratch_b, scratch_c, scratch_d, total;
+
+  BLINK_HD explicit BlinkStateLayout(const BlinkSchedConfig& c) {
+    // Scratch arrays hold one entry per slot, lane or frontend worker.
+    int64_t wide = c.num_slots > c.max_seqs ? c.num_slots : c.max_seqs;
+    wide = (wide > BLINK_MAX_WORKERS ? wide : BLINK_MAX_WORKERS) + 1;
+    counters = 0;
+    scalars = counters + 2 * C_NUM_COUNTERS;
+    taken = scalars + S_NUM_SCALARS;
+    queue = taken + c.num_slots;
+    busy = queue + c.num_slots;
+    free_pages = busy + c.num_slots;
+    order = free_pages + c.num_pages;
+    free_lanes = order + c.max_seqs;
+    new_lanes = free_lanes + c.max_seqs;
+    step_lanes = new_lanes + c.max_seqs;
+    lanes = step_lanes + c.max_seqs;
+    stop_ids = lanes + L_NUM_FIELDS * c.max_seqs;
+    scratch_a = stop_ids + BLINK_MAX_STOP_IDS * c.max_seqs;
+    scratch_b = scratch_a + wide;
+    scratch_c = scratch_b + wide;
+    scratch_d = scratch_c + wide;
+    total = scratch_d + wide;
+  }
+};

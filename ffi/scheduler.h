@@ -1,0 +1,684 @@
+// The scheduler: admission from the mailbox, continuous batching with chunked prefill, KV page
+// management with preemption, and commit of sampled tokens. Written once for the host and the
+// GPU: every function takes an execution policy (exec_policy.h) and is a sequence of serial and
+// parallel phases. Hot per-step work is parallel; serial loops run only when a flag computed in
+// parallel says they have something to do (new requests, prefill, finishes).
+#pragma once
+#include <stdint.h>
+
+#include "exec_policy.h"
+#include "mailbox.h"
+#include "sched_state.h"
+
+#define BLINK_FIELD(type, base, strct, field) \
+  ((type*)((base) + __builtin_offsetof(strct, field)))
+
+struct BlinkSched {
+  const BlinkSchedConfig& c;
+  uint8_t* mb;          // mailbox as this device addresses it
+  int32_t* st;          // scheduler state
+  int32_t* history;     // [max_seqs, max_context] token ids per lane
+  int32_t* page_table;  // [max_seqs, max_pages_per_seq]
+  int32_t* batch;       // step descriptor (int32 words)
+  BlinkStateLayout lay;
+  BlinkGeometry geo;
+  int64_t mpps;
+
+  BLINK_HD BlinkSched(const BlinkSchedConfig& cfg, uint8_t* mailbox, int32_t* state,
+                      int32_t* hist, int32_t* pt, int32_t* b)
+      : c(cfg), mb(mailbox), st(state), history(hist), page_table(pt), batch(b), lay(cfg),
+        geo(cfg.geometry()), mpps(cfg.max_pages_per_seq()) {}
+
+  // ---- state accessors ----
+  BLINK_HD uint64_t& counter(int i) const {
+    return reinterpret_cast<uint64_t*>(st + lay.counters)[i];
+  }
+  BLINK_HD int32_t& s(int i) const { return st[lay.scalars + i]; }
+  BLINK_HD int32_t& lane(int f, int64_t l) const { return st[lay.lanes + f * c.max_seqs + l]; }
+  BLINK_HD int32_t* region(int64_t off) const { return st + off; }
+  BLINK_HD int32_t& pt(int64_t l, int64_t p) const { return page_table[l * mpps + p]; }
+  BLINK_HD int32_t* tok_array(int a) const { return batch + B_HEADER_WORDS + a * c.token_budget; }
+  BLINK_HD int32_t* sample_array(int a) const {
+    return batch + B_HEADER_WORDS + BT_NUM * c.token_budget + a * c.max_seqs;
+  }
+
+  // ---- mailbox accessors ----
+  BLINK_HD BlinkMailboxHeader* hdr() const { return reinterpret_cast<BlinkMailboxHeader*>(mb); }
+  BLINK_HD uint8_t* req(int64_t slot) const { return mb + geo.request_offset(uint32_t(slot)); }
+  BLINK_HD uint8_t* out(int64_t slot) const { return mb + geo.output_offset(uint32_t(slot)); }
+  BLINK_HD uint32_t req_u32(int64_t slot, uint64_t off) const {
+    return blink_load<uint32_t>(req(slot) + off);
+  }
+#define REQ_OFF(field) __builtin_offsetof(BlinkSlotRequest, field)
+#define OUT_OFF(field) __builtin_offsetof(BlinkSlotOutput, field)
+
+  BLINK_HD int64_t pages_for(int64_t tokens) const { return (tokens + c.page_size - 1) / c.page_size; }
+  BLINK_HD bool ring_has_room(int64_t l) const {
+    return uint32_t(lane(L_OUT_COUNT, l)) - uint32_t(lane(L_CONSUMED, l)) <
+           uint32_t(c.ring_capacity);
+  }
+
+  // ---- serial helpers ----
+  BLINK_HD void push_free_page(int32_t page) const { region(lay.free_pages)[s(S_FREE_COUNT)++] = page; }
+  BLINK_HD int32_t pop_free_page() const { return region(lay.free_pages)[--s(S_FREE_COUNT)]; }
+
+  // Grows lane l's pages to cover `tokens` tokens; the caller checked there are enough.
+  BLINK_HD void alloc_pages(int64_t l, int64_t tokens) const {
+    for (int64_t need = pages_for(tokens); lane(L_PAGES, l) < need; ++lane(L_PAGES, l))
+      pt(l, lane(L_PAGES, l)) = pop_free_page();
+  }
+  BLINK_HD void free_lane_pages(int64_t l) const {
+    for (int32_t p = 0; p < lane(L_PAGES, l); ++p) push_free_page(pt(l, p));
+    lane(L_PAGES, l) = 0;
+  }
+
+  // Finishes a request that holds no lane (queued): output only.
+  BLINK_HD void finish_slot(int64_t slot, uint32_t seq, uint32_t reason, uint32_t err) const {
+    uint8_t* o = out(slot);
+    blink_store<uint32_t>(o + OUT_OFF(finish_reason), reason);
+    blink_store<uint32_t>(o + OUT_OFF(error_code), err);
+    blink_store_release<uint32_t>(o + OUT_OFF(finished_seq), seq);
+    region(lay.busy)[slot] = 0;
+    counter(C_FINISHED)++;
+    if (reason == BLINK_FINISH_ERROR) counter(C_ERRORED)++;
+    if (reason == BLINK_FINISH_CANCELLED) counter(C_CANCELLED)++;
+  }
+
+  // Preempts the youngest lane that holds pages, is younger than `ticket` and is not scheduled
+  // in this step: its pages are freed and it will recompute its whole history later.
+  BLINK_HD bool preempt_younger_than(int32_t ticket) const {
+    int32_t* order = region(lay.order);
+    for (int32_t i = s(S_ORDER_COUNT) - 1; i >= 0; --i) {
+      int32_t v = order[i];
+      if (lane(L_TICKET, v) <= ticket) return false;
+      if (lane(L_PAGES, v) == 0 || lane(L_SCHED_N, v) > 0 || lane(L_FINISH, v)) continue;
+      preempt(v);
+      return true;
+    }
+    return false;
+  }
+  BLINK_HD void preempt(int64_t v) const {
+    free_lane_pages(v);
+    lane(L_STATE, v) = LANE_PREEMPTED;
+    lane(L_COMPUTED, v) = 0;
+    lane(L_PREEMPTS, v) += 1;
+    lane(L_TMP, v) = 1;  // preempted in this step: no recompute before the next one
+    blink_store<uint32_t>(out(lane(L_SLOT, v)) + OUT_OFF(preemptions), lane(L_PREEMPTS, v));
+    counter(C_PREEMPTIONS)++;
+  }
+
+  // Validates the request of `slot`; returns a BlinkError.
+  BLINK_HD uint32_t validate(int64_t slot) const {
+    const uint8_t* r = req(slot);
+    uint32_t plen = blink_load<uint32_t>(r + REQ_OFF(prompt_len));
+    if (plen == 0 || plen > uint32_t(c.max_prompt) || int64_t(plen) >= c.max_context)
+      return BLINK_ERR_PROMPT_LENGTH;
+    if (blink_load<uint32_t>(r + REQ_OFF(max_tokens)) == 0) return BLINK_ERR_MAX_TOKENS;
+    float t = blink_bits_to_float(blink_load<uint32_t>(r + REQ_OFF(temperature)));
+    if (!(t >= 0.0f && t <= 3.0e38f)) return BLINK_ERR_TEMPERATURE;  // NaN/inf fail too
+    float p = blink_bits_to_float(blink_load<uint32_t>(r + REQ_OFF(top_p)));
+    if (!(p > 0.0f && p <= 1.0f)) return BLINK_ERR_TOP_P;
+    if (int32_t(blink_load<uint32_t>(r + REQ_OFF(top_k))) < 0) return BLINK_ERR_TOP_K;
+    uint32_t ns = blink_load<uint32_t>(r + REQ_OFF(num_stop_ids));
+    if (ns > BLINK_MAX_STOP_IDS) return BLINK_ERR_STOP_IDS;
+    for (uint32_t i = 0; i < ns; ++i) {
+      int32_t id = int32_t(blink_load<uint32_t>(r + REQ_OFF(stop_ids) + 4 * i));
+      if (id < 0 || id >= c.vocab_size) return BLINK_ERR_STOP_IDS;
+    }
+    if (blink_load<uint32_t>(r + REQ_OFF(num_logprobs)) > uint32_t(c.max_top_logprobs))
+      return BLINK_ERR_LOGPROBS;
+    if (blink_load<uint32_t>(r + REQ_OFF(flags)) & ~BLINK_FLAGS_KNOWN) return BLINK_ERR_FLAGS;
+    return BLINK_ERR_NONE;
+  }
+
+  // Takes a free lane for the request of `slot` (validated) and schedules its first chunk of
+  // `n` tokens; pages were checked by the caller.
+  BLINK_HD void admit(int64_t slot, uint32_t seq, int64_t n) const {
+    const uint8_t* r = req(slot);
+    int32_t l = region(lay.free_lanes)[--s(S_FREE_LANES)];
+    int32_t plen = int32_t(blink_load<uint32_t>(r + REQ_OFF(prompt_len)));
+    int64_t max_new = c.max_context - plen;
+    int64_t mt = blink_load<uint32_t>(r + REQ_OFF(max_tokens));
+    uint64_t seed = blink_load<uint64_t>(r + REQ_OFF(seed));
+    lane(L_STATE, l) = LANE_ACTIVE;
+    lane(L_SLOT, l) = int32_t(slot);
+    lane(L_SEQ, l) = int32_t(seq);
+    lane(L_LEN, l) = plen;
+    lane(L_COMPUTED, l) = 0;
+    lane(L_PROMPT_LEN, l) = plen;
+    lane(L_GENERATED, l) = 0;
+    lane(L_MAX_TOKENS, l) = int32_t(mt < max_new ? mt : max_new);
+    lane(L_PAGES, l) = 0;
+    lane(L_TICKET, l) = s(S_NEXT_TICKET)++;
+    lane(L_FLAGS, l) = int32_t(blink_load<uint32_t>(r + REQ_OFF(flags)));
+    lane(L_TEMPERATURE, l) = int32_t(blink_load<uint32_t>(r + REQ_OFF(temperature)));
+    lane(L_TOP_P, l) = int32_t(blink_load<uint32_t>(r + REQ_OFF(top_p)));
+    lane(L_TOP_K, l) = int32_t(blink_load<uint32_t>(r + REQ_OFF(top_k)));
+    lane(L_SEED_LO, l) = int32_t(uint32_t(seed));
+    lane(L_SEED_HI, l) = int32_t(uint32_t(seed >> 32));
+    lane(L_NUM_LOGPROBS, l) = int32_t(blink_load<uint32_t>(r + REQ_OFF(num_logprobs)));
+    int32_t ns = int32_t(blink_load<uint32_t>(r + REQ_OFF(num_stop_ids)));
+    lane(L_NUM_STOP, l) = ns;
+    for (int32_t i = 0; i < ns; ++i)
+      region(lay.stop_ids)[l * BLINK_MAX_STOP_IDS + i] =
+          int32_t(blink_load<uint32_t>(r + REQ_OFF(stop_ids) + 4 * i));
+    lane(L_OUT_COUNT, l) = 0;
+    lane(L_CONSUMED, l) = 0;
+    lane(L_FINISH, l) = BLINK_FINISH_NONE;
+    lane(L_ERROR, l) = BLINK_ERR_NONE;
+    lane(L_PREEMPTS, l) = 0;
+    lane(L_BAD, l) = 0;
+    region(lay.order)[s(S_ORDER_COUNT)++] = l;
+    region(lay.new_lanes)[s(S_NUM_ADMITTED)++] = l;
+    blink_store<uint32_t>(out(slot) + OUT_OFF(prompt_len), uint32_t(plen));
+    blink_store<uint32_t>(out(slot) + OUT_OFF(admit_ticket), uint32_t(lane(L_TICKET, l)) + 1);
+    counter(C_ADMITTED)++;
+    schedule_chunk(l, n);
+  }
+
+  BLINK_HD void schedule_chunk(int64_t l, int64_t n) const {
+    alloc_pages(l, lane(L_COMPUTED, l) + n);
+    lane(L_STATE, l) = LANE_ACTIVE;
+    lane(L_ROW, l) = s(S_NUM_ROWS);
+    lane(L_SCHED_N, l) = int32_t(n);
+    lane(L_SAMPLES, l) = lane(L_COMPUTED, l) + n == lane(L_LEN, l) ? 1 : 0;
+    s(S_NUM_ROWS) += int32_t(n);
+    s(S_PROMPT_ROWS) += int32_t(n);
+    region(lay.step_lanes)[s(S_NUM_STEP_LANES)++] = int32_t(l);
+  }
+
+  BLINK_HD bool needs_prefill(int64_t l) const {
+    int32_t st_ = lane(L_STATE, l);
+    return lane(L_FINISH, l) == BLINK_FINISH_NONE &&
+           (st_ == LANE_PREEMPTED ||
+            (st_ == LANE_ACTIVE && lane(L_LEN, l) - lane(L_COMPUTED, l) > 1));
+  }
+  BLINK_HD bool decode_ready(int64_t l) const {
+    return lane(L_STATE, l) == LANE_ACTIVE && lane(L_FINISH, l) == BLINK_FINISH_NONE &&
+           lane(L_LEN, l) - lane(L_COMPUTED, l) == 1 && ring_has_room(l);
+  }
+
+  // ======================= schedule =======================
+  template <class X>
+  BLINK_HD void schedule(const X& x) const {
+    x.serial([&] { counter(C_LOOP_ITERATIONS)++; });
+    for (int pass = 0; pass < 2; ++pass) {
+      begin_pass(x);
+      if (s(S_SCAN)) scan_slots(x);
+      check_lanes(x);
+      if (s(S_ANY_FINISH)) release_finished(x);
+      decode_pass(x);
+      x.serial([&] {
+        if (s(S_ANY_PREFILL)) prefill_pass();
+        admit_waiting();
+      });
+      copy_prompts(x);
+      x.serial([&] { finalize_schedule(); });
+      fill_batch(x);
+      x.serial([&] { publish_and_idle(); });
+      const bool retry = s(S_IDLE_RETRY) != 0;
+      x.sync();  // everyone has read the flag before begin_pass rewrites it
+      if (!retry) break;
+    }
+  }
+
+  template <class X>
+  BLINK_HD void begin_pass(const X& x) const {
+    x.serial([&] {
+      s(S_NUM_ROWS) = s(S_NUM_DECODE) = s(S_NUM_SAMPLES) = s(S_NUM_ADMITTED) = 0;
+      s(S_BLOCKED) = s(S_ANY_FINISH) = s(S_ANY_PREFILL) = s(S_IDLE_RETRY) = 0;
+      s(S_PROMPT_ROWS) = s(S_NUM_STEP_LANES) = 0;
+      s(S_SHUTDOWN) = blink_load<uint32_t>(&hdr()->shutdown) != 0;
+    });
+    // Doorbells: one load per worker, in parallel (each is a PCIe round trip on the GPU).
+    int32_t* a = region(lay.scratch_a);
+    x.parallel(BLINK_MAX_WORKERS, [&](int64_t w) {
+      a[w] = int32_t(uint32_t(blink_load_acquire<uint64_t>(&hdr()->doorbell[w])));
+    });
+    int32_t total = x.exclusive_scan(BLINK_MAX_WORKERS, [&](int64_t w) { return a[w]; },
+                                     region(lay.scratch_b));
+    x.serial([&] {
+      s(S_DOORBELL_NOW) = total;
+      s(S_SCAN) = uint32_t(total) != uint32_t(counter(C_DOORBELL_SEEN)) || s(S_RESCAN);
+      counter(C_DOORBELL_SEEN) = uint32_t(total);
+    });
+  }
+
+  // Finds newly submitted slots and queues them in slot order (FCFS from here on).
+  template <class X>
+  BLINK_HD void scan_slots(const X& x) const {
+    int32_t *flag = region(lay.scratch_a), *off = region(lay.scratch_b),
+            *seqs = region(lay.scratch_c), *taken = region(lay.taken);
+    int32_t* busy = region(lay.busy);
+    x.serial([&] { s(S_RESCAN) = 0; });
+    x.parallel(c.num_slots, [&](int64_t sl) {
+      uint32_t seq = blink_load_acquire<uint32_t>(req(sl) + REQ_OFF(seq));
+      seqs[sl] = int32_t(seq);
+      flag[sl] = seq != 0 && seq != uint32_t(taken[sl]);
+      // A slot republished before its previous request finished waits until it has.
+      if (flag[sl] && busy[sl]) {
+        flag[sl] = 0;
+        s(S_RESCAN) = 1;
+      }
+    });
+    int32_t n = x.exclusive_scan(c.num_slots, [&](int64_t sl) { return flag[sl]; }, off);
+    int32_t tail = s(S_Q_TAIL);
+    x.parallel(c.num_slots, [&](int64_t sl) {
+      if (!flag[sl]) return;
+      taken[sl] = seqs[sl];
+      busy[sl] = 1;
+      region(lay.queue)[(tail + off[sl]) % c.num_slots] = int32_t(sl);
+      uint8_t* o = out(sl);
+      blink_store<uint32_t>(o + OUT_OFF(count), 0u);
+      blink_store<uint32_t>(o + OUT_OFF(finish_reason), 0u);
+      blink_store<uint32_t>(o + OUT_OFF(error_code), 0u);
+      blink_store<uint32_t>(o + OUT_OFF(preemptions), 0u);
+      blink_store<uint32_t>(o + OUT_OFF(admit_ticket), 0u);
+      blink_store_release<uint32_t>(o + OUT_OFF(started_seq), uint32_t(seqs[sl]));
+    });
+    x.serial([&] { s(S_Q_TAIL) = tail + n; });
+  }
+
+  // Reads cancel and consumed words of the running requests; resets per-step lane fields.
+  template <class X>
+  BLINK_HD void check_lanes(const X& x) const {
+    x.parallel(c.max_seqs, [&](int64_t l) {
+      lane(L_SCHED_N, l) = 0;
+      lane(L_SAMPLES, l) = 0;
+      lane(L_TMP, l) = 0;
+      if (lane(L_STATE, l) == LANE_FREE) return;
+      int64_t sl = lane(L_SLOT, l);
+      lane(L_CONSUMED, l) = int32_t(req_u32(sl, REQ_OFF(consumed)));
+      if (req_u32(sl, REQ_OFF(cancel)) == uint32_t(lane(L_SEQ, l)) &&
+          lane(L_FINISH, l) == BLINK_FINISH_NONE) {
+        lane(L_FINISH, l) = BLINK_FINISH_CANCELLED;
+        s(S_ANY_FINISH) = 1;  // benign race: every writer stores 1
+      }
+      if (needs_prefill(l)) s(S_ANY_PREFILL) = 1;
+    });
+  }
+
+  // One row per decode-ready lane. Fast path in parallel when the free pages suffice;
+  // otherwise serially in admission order with preemption of the youngest.
+  template <class X>
+  BLINK_HD void decode_pass(const X& x) const {
+    int32_t *ready = region(lay.scratch_a), *row = region(lay.scratch_b),
+            *need = region(lay.scratch_c), *noff = region(lay.scratch_d);
+    x.parallel(c.max_seqs, [&](int64_t l) {
+      ready[l] = decode_ready(l);
+      need[l] = ready[l] && lane(L_COMPUTED, l) % c.page_size == 0;
+    });
+    int32_t nready = x.exclusive_scan(c.max_seqs, [&](int64_t l) { return ready[l]; }, row);
+    int32_t nneed = x.exclusive_scan(c.max_seqs, [&](int64_t l) { return need[l]; }, noff);
+    x.serial([&] { s(S_FAST_OK) = nneed <= s(S_FREE_COUNT); });
+    if (s(S_FAST_OK)) {
+      int32_t free_top = s(S_FREE_COUNT);
+      x.parallel(c.max_seqs, [&](int64_t l) {
+        if (!ready[l]) return;
+        if (need[l]) {
+          pt(l, lane(L_PAGES, l)) = region(lay.free_pages)[free_top - 1 - noff[l]];
+          lane(L_PAGES, l) += 1;
+        }
+        lane(L_ROW, l) = row[l];
+        lane(L_SCHED_N, l) = 1;
+        lane(L_SAMPLES, l) = row[l] + 1;  // decode rows and samples share indices
+      });
+      x.serial([&] {
+        s(S_FREE_COUNT) -= nneed;
+        s(S_NUM_ROWS) = s(S_NUM_DECODE) = s(S_NUM_SAMPLES) = nready;
+      });
+    } else {
+      x.serial([&] { decode_pass_serial(); });
+    }
+  }
+
+  BLINK_HD void decode_pass_serial() const {
+    int32_t* order = region(lay.order);
+    for (int32_t i = 0; i < s(S_ORDER_COUNT); ++i) {
+      int32_t l = order[i];
+      if (!decode_ready(l)) continue;
+      if (lane(L_COMPUTED, l) % c.page_size == 0) {
+        while (s(S_FREE_COUNT) == 0 && preempt_younger_than(lane(L_TICKET, l))) {
+        }
+        if (s(S_FREE_COUNT) == 0) {  // nothing younger to take from: step back itself
+          preempt(l);
+          s(S_BLOCKED) = 1;
+          continue;
+        }
+        alloc_pages(l, lane(L_COMPUTED, l) + 1);
+      }
+      lane(L_ROW, l) = s(S_NUM_ROWS)++;
+      lane(L_SCHED_N, l) = 1;
+      lane(L_SAMPLES, l) = ++s(S_NUM_SAMPLES);
+      s(S_NUM_DECODE)++;
+    }
+  }
+
+  // Chunked prefill and recompute of lanes that hold one, oldest first.
+  BLINK_HD void prefill_pass() const {
+    int32_t* order = region(lay.order);
+    for (int32_t i = 0; i < s(S_ORDER_COUNT); ++i) {
+      int32_t l = order[i];
+      if (!needs_prefill(l) || !ring_has_room(l) || lane(L_TMP, l)) continue;
+      int64_t left = c.token_budget - s(S_NUM_ROWS);
+      if (left <= 0) break;
+      int64_t computed = lane(L_COMPUTED, l), todo = lane(L_LEN, l) - computed;
+      int64_t n = todo < left ? todo : left;
+      while (pages_for(computed + n) - lane(L_PAGES, l) > s(S_FREE_COUNT) &&
+             preempt_younger_than(lane(L_TICKET, l))) {
+      }
+      int64_t room = (int64_t(lane(L_PAGES, l)) + s(S_FREE_COUNT)) * c.page_size - computed;
+      if (room < n) {
+        n = room;
+        s(S_BLOCKED) = 1;  // an older request waits for pages: admit nothing new
+      }
+      if (n <= 0) continue;
+      schedule_chunk(l, n);
+    }
+  }
+
+  // FCFS admission from the waiting queue while lanes, budget and pages allow.
+  BLINK_HD void admit_waiting() const {
+    int32_t* queue = region(lay.queue);
+    while (!s(S_BLOCKED) && s(S_Q_HEAD) != s(S_Q_TAIL)) {
+      int64_t left = c.token_budget - s(S_NUM_ROWS);
+      if (left <= 0) break;
+      int32_t slot = queue[s(S_Q_HEAD) % c.num_slots];
+      uint32_t seq = uint32_t(region(lay.taken)[slot]);
+      if (req_u32(slot, REQ_OFF(cancel)) == seq) {
+        s(S_Q_HEAD)++;
+        finish_slot(slot, seq, BLINK_FINISH_CANCELLED, BLINK_ERR_NONE);
+        continue;
+      }
+      uint32_t err = validate(slot);
+      if (err != BLINK_ERR_NONE) {
+        s(S_Q_HEAD)++;
+        finish_slot(slot, seq, BLINK_FINISH_ERROR, err);
+        continue;
+      }
+      if (s(S_FREE_LANES) == 0) break;
+      int64_t plen = req_u32(slot, REQ_OFF(prompt_len));
+      int64_t n = plen < left ? plen : left;
+      if (pages_for(n) > s(S_FREE_COUNT)) break;
+      s(S_Q_HEAD)++;
+      admit(slot, seq, n);
+    }
+  }
+
+  // Copies the prompts of newly admitted lanes into their history, checking every token id.
+  template <class X>
+  BLINK_HD void copy_prompts(const X& x) const {
+    for (int32_t k = 0; k < s(S_NUM_ADMITTED); ++k) {
+      int32_t l = region(lay.new_lanes)[k];
+      const uint8_t* prompt = req(lane(L_SLOT, l)) + BLINK_REQUEST_FIXED_BYTES;
+      int32_t* h = history + int64_t(l) * c.max_context;
+      x.parallel(lane(L_PROMPT_LEN, l), [&](int64_t i) {
+        int32_t t = int32_t(blink_load<uint32_t>(prompt + 4 * i));
+        if (t < 0 || t >= c.vocab_size) {
+          lane(L_BAD, l) = 1;
+          t = 0;
+        }
+        h[i] = t;
+      });
+    }
+  }
+
+  // Drops admitted lanes with bad prompts (their rows become padding) and numbers the samples
+  // of the serially scheduled lanes.
+  BLINK_HD void finalize_schedule() const {
+    int32_t* lanes = region(lay.step_lanes);
+    for (int32_t k = 0; k < s(S_NUM_STEP_LANES); ++k) {
+      int32_t l = lanes[k];
+      if (lane(L_BAD, l)) {
+        lane(L_BAD, l) = 0;
+        s(S_PROMPT_ROWS) -= lane(L_SCHED_N, l);  // its rows stay in the batch as padding
+        lane(L_SCHED_N, l) = 0;
+        lane(L_SAMPLES, l) = 0;
+        lane(L_FINISH, l) = BLINK_FINISH_ERROR;
+        lane(L_ERROR, l) = BLINK_ERR_TOKEN_ID;
+        s(S_ANY_FINISH) = 1;
+        continue;
+      }
+      if (lane(L_SAMPLES, l)) lane(L_SAMPLES, l) = ++s(S_NUM_SAMPLES);
+    }
+    int32_t rows = s(S_NUM_ROWS), b = 0;
+    while (b < c.num_buckets - 1 && c.bucket(b) < rows) ++b;
+    batch[B_NUM_ROWS] = rows;
+    batch[B_BUCKET] = rows == 0 ? -1 : b;
+    batch[B_BUCKET_SIZE] = rows == 0 ? 0 : int32_t(c.bucket(b));
+    batch[B_NUM_SAMPLES] = s(S_NUM_SAMPLES);
+    batch[B_SHUTDOWN] = s(S_SHUTDOWN);
+    batch[B_NUM_DECODE] = s(S_NUM_DECODE);
+  }
+
+  template <class X>
+  BLINK_HD void fill_batch(const X& x) const {
+    int32_t *tok = tok_array(BT_TOKENS), *pos = tok_array(BT_POSITIONS),
+            *sid = tok_array(BT_SEQ_IDS);
+    x.parallel(batch[B_BUCKET_SIZE], [&](int64_t r) {
+      tok[r] = 0;
+      pos[r] = 0;
+      sid[r] = -1;
+    });
+    x.parallel(c.max_seqs, [&](int64_t i) { sample_array(BS_LANES)[i] = -1; });
+    x.parallel(c.max_seqs, [&](int64_t l) {
+      int32_t n = lane(L_SCHED_N, l);
+      if (n == 0) return;
+      int32_t r0 = lane(L_ROW, l), c0 = lane(L_COMPUTED, l);
+      if (n == 1) {
+        tok[r0] = history[l * c.max_context + c0];
+        pos[r0] = c0;
+        sid[r0] = int32_t(l);
+      }
+      int32_t si = lane(L_SAMPLES, l) - 1;
+      if (si < 0) return;
+      sample_array(BS_ROWS)[si] = r0 + n - 1;
+      sample_array(BS_LANES)[si] = int32_t(l);
+      sample_array(BS_TEMPERATURE)[si] = lane(L_TEMPERATURE, l);
+      sample_array(BS_TOP_P)[si] = lane(L_TOP_P, l);
+      sample_array(BS_TOP_K)[si] = lane(L_TOP_K, l);
+      sample_array(BS_SEED_LO)[si] = lane(L_SEED_LO, l);
+      sample_array(BS_SEED_HI)[si] = lane(L_SEED_HI, l);
+      sample_array(BS_POSITION)[si] = lane(L_LEN, l);
+      sample_array(BS_NUM_LOGPROBS)[si] =
+          (lane(L_FLAGS, l) & BLINK_FLAG_LOGPROBS) ? lane(L_NUM_LOGPROBS, l) : -1;
+    });
+    for (int32_t k = 0; k < s(S_NUM_STEP_LANES); ++k) {
+      int32_t l = region(lay.step_lanes)[k];
+      int32_t n = lane(L_SCHED_N, l);
+      if (n <= 1) continue;
+      int32_t r0 = lane(L_ROW, l), c0 = lane(L_COMPUTED, l);
+      const int32_t* h = history + int64_t(l) * c.max_context;
+      x.parallel(n, [&](int64_t i) {
+        tok[r0 + i] = h[c0 + i];
+        pos[r0 + i] = c0 + int32_t(i);
+        sid[r0 + i] = l;
+      });
+    }
+  }
+
+  BLINK_HD void publish_counters() const {
+    BlinkMailboxHeader* h = hdr();
+    blink_store<uint64_t>(&h->loop_iterations, counter(C_LOOP_ITERATIONS));
+    blink_store<uint64_t>(&h->steps, counter(C_STEPS));
+    blink_store<uint64_t>(&h->tokens_generated, counter(C_TOKENS_GENERATED));
+    blink_store<uint64_t>(&h->prompt_tokens, counter(C_PROMPT_TOKENS));
+    blink_store<uint64_t>(&h->requests_admitted, counter(C_ADMITTED));
+    blink_store<uint64_t>(&h->requests_finished, counter(C_FINISHED));
+    blink_store<uint64_t>(&h->requests_errored, counter(C_ERRORED));
+    blink_store<uint64_t>(&h->requests_cancelled, counter(C_CANCELLED));
+    blink_store<uint64_t>(&h->preemptions, counter(C_PREEMPTIONS));
+    blink_store<uint64_t>(&h->pages_in_use, uint64_t(c.num_pages - s(S_FREE_COUNT)));
+    blink_store<uint64_t>(&h->pages_total, uint64_t(c.num_pages));
+    blink_store<uint64_t>(&h->running, uint64_t(s(S_ORDER_COUNT)));
+    blink_store<uint64_t>(&h->waiting, uint64_t(s(S_Q_TAIL) - s(S_Q_HEAD)));
+  }
+
+  // With nothing to run, polls the doorbells for up to idle_poll_us before returning an empty
+  // step; new work found there triggers a second pass of the schedule.
+  BLINK_HD void publish_and_idle() const {
+    publish_counters();
+    if (s(S_NUM_ROWS) > 0 || s(S_SHUTDOWN) || s(S_ANY_FINISH) || c.idle_poll_us <= 0) return;
+    uint32_t nw = blink_load<uint32_t>(&hdr()->num_workers);
+    const int64_t workers = nw == 0 || nw > BLINK_MAX_WORKERS ? BLINK_MAX_WORKERS : nw;
+    uint64_t start = X_now_ns();
+    for (uint32_t attempt = 0;; ++attempt) {
+      uint32_t total = 0;
+      for (int64_t w = 0; w < workers; ++w)
+        total += uint32_t(blink_load<uint64_t>(&hdr()->doorbell[w]));
+      if (total != uint32_t(s(S_DOORBELL_NOW))) {
+        s(S_IDLE_RETRY) = 1;
+        return;
+      }
+      if (blink_load<uint32_t>(&hdr()->shutdown) != 0) return;
+      if (X_now_ns() - start > uint64_t(c.idle_poll_us) * 1000) return;
+      X_backoff(attempt);
+    }
+  }
+
+  BLINK_HD static uint64_t X_now_ns() {
+#ifdef __CUDA_ARCH__
+    return DeviceExec::now_ns();
+#else
+    return HostExec::now_ns();
+#endif
+  }
+  BLINK_HD static void X_backoff(uint32_t attempt) {
+#ifdef __CUDA_ARCH__
+    DeviceExec::backoff(attempt);
+#else
+    HostExec::backoff(attempt);
+#endif
+  }
+
+  // Frees pages and lanes of finishing requests and writes their finish to the mailbox.
+  template <class X>
+  BLINK_HD void release_finished(const X& x) const {
+    int32_t *fin = region(lay.scratch_a), *poff = region(lay.scratch_b),
+            *loff = region(lay.scratch_c);
+    x.parallel(c.max_seqs, [&](int64_t l) {
+      fin[l] = lane(L_STATE, l) != LANE_FREE && lane(L_FINISH, l) != BLINK_FINISH_NONE;
+    });
+    int32_t npages = x.exclusive_scan(
+        c.max_seqs, [&](int64_t l) { return fin[l] ? lane(L_PAGES, l) : 0; }, poff);
+    int32_t nlanes = x.exclusive_scan(c.max_seqs, [&](int64_t l) { return fin[l]; }, loff);
+    int32_t free_top = s(S_FREE_COUNT), lane_top = s(S_FREE_LANES);
+    x.parallel(c.max_seqs, [&](int64_t l) {
+      if (!fin[l]) return;
+      for (int32_t p = 0; p < lane(L_PAGES, l); ++p)
+        region(lay.free_pages)[free_top + poff[l] + p] = pt(l, p);
+      region(lay.free_lanes)[lane_top + loff[l]] = int32_t(l);
+      uint8_t* o = out(lane(L_SLOT, l));
+      blink_store<uint32_t>(o + OUT_OFF(finish_reason), uint32_t(lane(L_FINISH, l)));
+      blink_store<uint32_t>(o + OUT_OFF(error_code), uint32_t(lane(L_ERROR, l)));
+      blink_store_release<uint32_t>(o + OUT_OFF(finished_seq), uint32_t(lane(L_SEQ, l)));
+      region(lay.busy)[lane(L_SLOT, l)] = 0;
+    });
+    // Keep the admission order of the lanes that stay (stable compaction).
+    int32_t* order = region(lay.order);
+    int32_t* keep = region(lay.scratch_d);
+    int32_t norder = s(S_ORDER_COUNT);
+    x.parallel(norder, [&](int64_t i) { keep[i] = !fin[order[i]]; });
+    int32_t* dst = region(lay.scratch_b);  // page offsets are no longer needed
+    int32_t nkeep = x.exclusive_scan(norder, [&](int64_t i) { return keep[i]; }, dst);
+    int32_t* tmp = region(lay.scratch_c);   // lane offsets are no longer needed
+    x.parallel(norder, [&](int64_t i) {
+      if (keep[i]) tmp[dst[i]] = order[i];
+    });
+    x.parallel(nkeep, [&](int64_t i) { order[i] = tmp[i]; });
+    int32_t nerr = x.exclusive_scan(
+        c.max_seqs, [&](int64_t l) { return fin[l] && lane(L_FINISH, l) == BLINK_FINISH_ERROR; },
+        region(lay.scratch_b));
+    int32_t ncanc = x.exclusive_scan(
+        c.max_seqs,
+        [&](int64_t l) { return fin[l] && lane(L_FINISH, l) == BLINK_FINISH_CANCELLED; },
+        region(lay.scratch_c));
+    x.parallel(c.max_seqs, [&](int64_t l) {
+      if (!fin[l]) return;
+      lane(L_STATE, l) = LANE_FREE;
+      lane(L_FINISH, l) = BLINK_FINISH_NONE;
+      lane(L_PAGES, l) = 0;
+      lane(L_SCHED_N, l) = 0;
+    });
+    x.serial([&] {
+      counter(C_FINISHED) += uint64_t(nlanes);
+      counter(C_ERRORED) += uint64_t(nerr);
+      counter(C_CANCELLED) += uint64_t(ncanc);
+      s(S_FREE_COUNT) = free_top + npages;
+      s(S_FREE_LANES) = lane_top + nlanes;
+      s(S_ORDER_COUNT) = nkeep;
+      s(S_ANY_FINISH) = 0;
+    });
+  }
+
+  // ======================= commit =======================
+  // Appends the sampled tokens, checks stop conditions, frees finished requests.
+  template <class X>
+  BLINK_HD void commit(const X& x, const int32_t* sampled, const float* logprobs,
+                       const int32_t* top_ids, const float* top_lps, int64_t top_k_cols) const {
+    const int32_t nsamples = batch[B_NUM_SAMPLES];
+    x.parallel(nsamples, [&](int64_t i) {
+      int32_t l = sample_array(BS_LANES)[i];
+      if (l < 0) return;
+      int32_t t = sampled[i];
+      if (t < 0 || t >= c.vocab_size) t = 0;  // cannot happen with a sane sampler
+      int32_t len = lane(L_LEN, l);
+      history[int64_t(l) * c.max_context + len] = t;
+      uint8_t* o = out(lane(L_SLOT, l));
+      uint32_t e = uint32_t(lane(L_OUT_COUNT, l)), ri = e % uint32_t(c.ring_capacity);
+      int64_t slot = lane(L_SLOT, l);
+      blink_store<int32_t>(mb + geo.out_tokens_offset(slot) + 4 * ri, t);
+      if (lane(L_FLAGS, l) & BLINK_FLAG_LOGPROBS) {
+        blink_store<uint32_t>(mb + geo.out_logprobs_offset(slot) + 4 * ri, blink_float_to_bits(logprobs[i]));
+        int32_t k = lane(L_NUM_LOGPROBS, l);
+        for (int32_t j = 0; j < k && j < top_k_cols; ++j) {
+          uint64_t idx = (uint64_t(ri) * c.max_top_logprobs + j) * 4;
+          blink_store<int32_t>(mb + geo.out_top_ids_offset(slot) + idx, top_ids[i * top_k_cols + j]);
+          blink_store<uint32_t>(mb + geo.out_top_logprobs_offset(slot) + idx, blink_float_to_bits(top_lps[i * top_k_cols + j]));
+        }
+      }
+      lane(L_OUT_COUNT, l) = int32_t(e + 1);
+      blink_store_release<uint32_t>(o + OUT_OFF(count), e + 1);
+      lane(L_LEN, l) = len + 1;
+      lane(L_GENERATED, l) += 1;
+      int32_t finish = BLINK_FINISH_NONE;
+      if (!(lane(L_FLAGS, l) & BLINK_FLAG_IGNORE_EOS))
+        for (int k = 0; k < BLINK_MAX_EOS; ++k)
+          if (c.eos(k) >= 0 && t == c.eos(k)) finish = BLINK_FINISH_STOP;
+      for (int32_t k = 0; k < lane(L_NUM_STOP, l); ++k)
+        if (t == region(lay.stop_ids)[l * BLINK_MAX_STOP_IDS + k]) finish = BLINK_FINISH_STOP;
+      if (finish == BLINK_FINISH_NONE &&
+          (lane(L_GENERATED, l) >= lane(L_MAX_TOKENS, l) || len + 1 >= c.max_context))
+        finish = BLINK_FINISH_LENGTH;
+      if (finish != BLINK_FINISH_NONE) {
+        lane(L_FINISH, l) = finish;
+        s(S_ANY_FINISH) = 1;
+      }
+    });
+    // Prefill chunks advance the computed prefix (sampled lanes: all but the new token).
+    x.parallel(c.max_seqs, [&](int64_t l) {
+      lane(L_COMPUTED, l) += lane(L_SCHED_N, l);
+      lane(L_SCHED_N, l) = 0;
+    });
+    if (s(S_ANY_FINISH)) release_finished(x);
+    x.serial([&] {
+      if (batch[B_NUM_ROWS] > 0) counter(C_STEPS)++;
+      counter(C_TOKENS_GENERATED) += uint64_t(nsamples);
+      counter(C_PROMPT_TOKENS) += uint64_t(s(S_PROMPT_ROWS));
+      s(S_PROMPT_ROWS) = 0;
+      publish_counters();
+    });
+  }
+#undef REQ_OFF
+#undef OUT_OFF
+};
+
+// Host-side initialisation of a fresh state: all pages and lanes free, nothing queued.
+inline void blink_state_init_host(const BlinkSchedConfig& c, int32_t* st) {
+  BlinkStateLayout lay(c);
+  for (int64_t i = 0; i < lay.total; ++i) st[i] = 0;
+  for (int64_t i = 0; i < c.num_pages; ++i) st[lay.free_pages + i] = int32_t(c.num_pages - 1 - i);
+  for (int64_t i = 0; i < c.max_seqs; ++i) st[lay.free_lanes + i] = int32_t(c.max_seqs - 1 - i);
+  st[lay.scalars + S_FREE_COUNT] = int32_t(c.num_pages);
+  st[lay.scalars + S_FREE_LANES] = int32_t(c.max_seqs);
+}

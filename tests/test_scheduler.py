@@ -1,0 +1,181 @@
+"""Scheduler properties on the host build of ffi/scheduler.h (the code of the CPU handlers)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from blink_jax import protocol as P
+from blink_jax.ffi import HostScheduler, SchedConfig
+from tests import sched_harness as H
+
+GEO = P.Geometry(num_slots=8, max_prompt=40, ring_capacity=4, max_top_logprobs=3)
+
+
+def _setup(geo=GEO, **kw):
+  region = H.new_mailbox(geo, kw.get("vocab_size", 64), kw.get("max_context", 48))
+  return region, H.make_config(region, geo, **kw)
+
+
+def test_single_request_matches_oracle():
+  region, cfg = _setup()
+  jobs = [H.Job(0, [5, 6, 7, 8, 9], max_tokens=10, ignore_eos=True)]
+  res = H.run(jobs, cfg, region)
+  H.check_run(jobs, res, cfg)
+  assert len(res.results[0].tokens) == 10
+  assert res.results[0].finish == P.Finish.LENGTH
+
+
+def test_long_prompt_is_chunked_and_mixed_with_decode():
+  region, cfg = _setup(buckets=(4, 8), max_seqs=4, num_pages=24)
+  jobs = [H.Job(0, [3, 4], max_tokens=20, ignore_eos=True),
+          H.Job(2, list(range(2, 38)), max_tokens=4, ignore_eos=True)]
+  steps = []
+
+  def hook(step, sched):
+    steps.append((int(sched.batch[0]), int(sched.batch[5])))  # rows, decode rows
+
+  res = H.run(jobs, cfg, region, step_hook=hook)
+  H.check_run(jobs, res, cfg)
+  # The 36-token prompt needs several steps of at most 8 rows, each with a decode row.
+  assert any(rows == 8 and dec == 1 for rows, dec in steps), steps
+
+
+def test_page_pressure_preempts_youngest_and_recomputes():
+  # 3 lanes, pages for barely one full context each: decode growth forces preemption.
+  region, cfg = _setup(max_seqs=3, max_context=32, page_size=4, num_pages=8, buckets=(8, 16))
+  jobs = [H.Job(0, [10 + i, 11, 12, 13, 14, 15], max_tokens=24, ignore_eos=True)
+          for i in range(3)]
+  res = H.run(jobs, cfg, region)
+  H.check_run(jobs, res, cfg)
+  assert res.summary["preemptions"] > 0
+
+
+def test_bad_slots_finish_with_errors_and_do_not_disturb_others():
+  region, cfg = _setup()
+  good = H.Job(0, [5, 6, 7], max_tokens=6, ignore_eos=True)
+  bad = [
+      H.Job(0, [], 5, expect_error=P.Error.PROMPT_LENGTH),
+      H.Job(0, [1, 2], 5, bad={"prompt_len": 10_000}, expect_error=P.Error.PROMPT_LENGTH),
+      H.Job(0, [1, 64], 5, expect_error=P.Error.TOKEN_ID),
+      H.Job(0, [1, -3], 5, expect_error=P.Error.TOKEN_ID),
+      H.Job(0, [1, 2], 0, expect_error=P.Error.MAX_TOKENS),
+      H.Job(1, [1, 2], 5, bad={"temperature": math.nan}, expect_error=P.Error.TEMPERATURE),
+      H.Job(1, [1, 2], 5, bad={"temperature": -1.0}, expect_error=P.Error.TEMPERATURE),
+      H.Job(1, [1, 2], 5, bad={"temperature": math.inf}, expect_error=P.Error.TEMPERATURE),
+      H.Job(1, [1, 2], 5, bad={"top_p": 0.0}, expect_error=P.Error.TOP_P),
+      H.Job(1, [1, 2], 5, bad={"top_p": 1.5}, expect_error=P.Error.TOP_P),
+      H.Job(2, [1, 2], 5, bad={"top_k": -2}, expect_error=P.Error.TOP_K),
+      H.Job(2, [1, 2], 5, bad={"num_stop_ids": 99}, expect_error=P.Error.STOP_IDS),
+      H.Job(2, [1, 2], 5, stop_ids=(64,), expect_error=P.Error.STOP_IDS),
+      H.Job(2, [1, 2], 5, bad={"num_logprobs": 4}, expect_error=P.Error.LOGPROBS),
+      H.Job(2, [1, 2], 5, bad={"flags": 0x80}, expect_error=P.Error.FLAGS),
+  ]
+  jobs = [good] + bad
+  res = H.run(jobs, cfg, region)
+  H.check_run(jobs, res, cfg)
+
+
+def test_cancel_running_and_waiting_requests():
+  region, cfg = _setup(max_seqs=1)
+  jobs = [H.Job(0, [5, 6], 30, ignore_eos=True, cancel_after=3),
+          H.Job(0, [7, 8], 30, ignore_eos=True, cancel_after=1),  # still waiting for a lane
+          H.Job(0, [9, 10], 5, ignore_eos=True)]
+  res = H.run(jobs, cfg, region)
+  H.check_run(jobs, res, cfg)
+  assert [r.finish for r in res.results] == [P.Finish.CANCELLED, P.Finish.CANCELLED,
+                                             P.Finish.LENGTH]
+  assert res.results[1].tokens == [] and res.results[1].admit_ticket == 0
+
+
+def test_full_ring_stalls_the_request_until_read():
+  region, cfg = _setup()
+  jobs = [H.Job(0, [5, 6], 20, ignore_eos=True, logprobs=2),
+          H.Job(0, [8, 9], 20, ignore_eos=True)]
+  res = H.run(jobs, cfg, region, consume_prob=0.2, seed=3)
+  H.check_run(jobs, res, cfg)
+
+
+def test_stop_ids_and_eos():
+  region, cfg = _setup(vocab_size=8, eos_ids=(1, 2))  # small vocab: stops come quickly
+  jobs = [H.Job(0, [3, i], 40) for i in range(4)] + [
+      H.Job(0, [4, i], 40, stop_ids=(5,), ignore_eos=True) for i in range(4)]
+  res = H.run(jobs, cfg, region)
+  H.check_run(jobs, res, cfg)
+  assert sum(r.finish == P.Finish.STOP for r in res.results) >= 4
+
+
+def test_resubmitting_a_busy_slot_is_ignored_until_it_finishes():
+  region, cfg = _setup()
+  sched = HostScheduler(cfg)
+  jobs = [H.Job(0, [5, 6], 4, ignore_eos=True)]
+  res = H.run(jobs, cfg, region, backend=sched)
+  H.check_run(jobs, res, cfg)
+
+
+def test_config_errors_name_the_value():
+  with pytest.raises(ValueError, match="num_pages"):
+    SchedConfig.build(mailbox=1, num_slots=4, max_prompt=8, ring_capacity=4,
+                      max_top_logprobs=0, vocab_size=10, max_seqs=2, max_context=64,
+                      page_size=4, num_pages=3, buckets=(4,))
+  with pytest.raises(ValueError, match="token_budget"):
+    SchedConfig.build(mailbox=1, num_slots=4, max_prompt=8, ring_capacity=4,
+                      max_top_logprobs=0, vocab_size=10, max_seqs=8, max_context=16,
+                      page_size=4, num_pages=8, buckets=(4,))
+
+
+# ---------------- property tests ----------------
+
+@st.composite
+def workloads(draw):
+  vocab = draw(st.sampled_from([8, 16, 64]))
+  max_context = draw(st.sampled_from([16, 32, 48]))
+  page_size = draw(st.sampled_from([1, 2, 4, 8]))
+  max_pages = -(-max_context // page_size)
+  num_pages = draw(st.integers(max_pages, max_pages + max_pages // 2 + 1))  # page pressure
+  max_seqs = draw(st.integers(1, 8))
+  budget = draw(st.sampled_from([b for b in (4, 8, 16) if b >= max_seqs]))
+  geo = P.Geometry(num_slots=draw(st.integers(1, 8)), max_prompt=40,
+                   ring_capacity=draw(st.integers(1, 6)), max_top_logprobs=3)
+  n = draw(st.integers(1, 14))
+  jobs = []
+  for _ in range(n):
+    kind = draw(st.sampled_from(["ok"] * 6 + ["bad_token", "bad_len", "bad_temp", "cancel"]))
+    plen = draw(st.integers(1, min(30, max_context - 1)))
+    prompt = draw(st.lists(st.integers(0, vocab - 1), min_size=plen, max_size=plen))
+    job = H.Job(submit_step=draw(st.integers(0, 30)), prompt=prompt,
+                max_tokens=draw(st.integers(1, 40)),
+                stop_ids=tuple(draw(st.lists(st.integers(0, vocab - 1), max_size=2))),
+                ignore_eos=draw(st.booleans()), logprobs=draw(st.integers(-1, 3)))
+    if kind == "bad_token":
+      job.prompt = prompt[:-1] + [vocab + draw(st.integers(0, 5))]
+      job.expect_error = P.Error.TOKEN_ID
+    elif kind == "bad_len":
+      job.bad = {"prompt_len": 0}
+      job.expect_error = P.Error.PROMPT_LENGTH
+    elif kind == "bad_temp":
+      job.bad = {"temperature": math.nan}
+      job.expect_error = P.Error.TEMPERATURE
+    elif kind == "cancel":
+      job.cancel_after = draw(st.integers(0, 12))
+    jobs.append(job)
+  params = dict(vocab_size=vocab, max_context=max_context, page_size=page_size,
+                num_pages=num_pages, max_seqs=max_seqs,
+                buckets=tuple(b for b in (2, 4, 8, 16) if b <= budget), eos_ids=(1,))
+  return geo, params, jobs, draw(st.floats(0.3, 1.0)), draw(st.integers(0, 99))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_random_workloads(w):
+  geo, params, jobs, consume, seed = w
+  region = H.new_mailbox(geo, params["vocab_size"], params["max_context"])
+  cfg = H.make_config(region, geo, **params)
+  res = H.run(jobs, cfg, region, consume_prob=consume, seed=seed)
+  H.check_run(jobs, res, cfg)
+  event(f"preemptions: {min(res.summary['preemptions'], 3)}")
+  event(f"cancelled: {res.summary['cancelled'] > 0}")
+  event(f"errored: {res.summary['errored'] > 0}")

