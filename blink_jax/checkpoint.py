@@ -117,8 +117,8 @@ def load_tokenizer(directory: str | os.PathLike):
 # --- catalog ---------------------------------------------------------------------------------
 
 
-def load_catalog(file: str | os.PathLike = CATALOG_FILE) -> dict[str, dict[str, Any]]:
-  return json.loads(Path(file).read_text())
+def load_catalog(file: str | os.PathLike | None = None) -> dict[str, dict[str, Any]]:
+  return json.loads(Path(file or CATALOG_FILE).read_text())
 
 
 def resolve_checkpoint(name_or_path: str | os.PathLike, *, progress: bool = True) -> Path:

@@ -10,6 +10,7 @@ All in float32 on CPU.
 """
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -172,12 +173,13 @@ def test_gemma3_270m_greedy_matches_transformers(gemma, hf_gemma, gemma_tokenize
   def next_token(m, tokens, pos):
     return jnp.argmax(m.dense_forward(tokens)[0, pos])
 
-  for prompt in PROMPTS[:2]:
-    ids = gemma_tokenizer.encode(prompt, add_bos=True)
+  prompts = [gemma_tokenizer.encode(p, add_bos=True) for p in PROMPTS[:2]]
+  length = max(map(len, prompts)) + steps  # one buffer shape for all: one compilation
+  for prompt, ids in zip(PROMPTS, prompts):
     with torch.no_grad():
       ref = model.generate(torch.tensor([ids]), max_new_tokens=steps,
                            do_sample=False)[0, len(ids):].tolist()
-    buf = np.zeros((1, len(ids) + steps), np.int32)
+    buf = np.zeros((1, length), np.int32)
     buf[0, :len(ids)] = ids
     for t in range(len(ids), len(ids) + steps):
       buf[0, t] = int(next_token(ours_model, jnp.asarray(buf), t - 1))
@@ -366,10 +368,12 @@ def test_hf_checkpoint_matches_transformers(family, tmp_path):
   torch = pytest.importorskip("torch")
   model = hf_tiny_model(family)
   if family == "gemma2":  # stored as bfloat16, in several shards with an index
-    model = model.to(torch.bfloat16)
-    model.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
+    with torch.no_grad():  # the float32 reference gets the same bf16-rounded weights (only
+      for p in model.parameters():  # the parameters: casting the model would round RoPE's
+        p.copy_(p.bfloat16().float())  # inv_freq buffer too)
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(tmp_path / "hf",
+                                                            max_shard_size="100KB")
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
-    model = model.float()
   else:
     model.save_pretrained(tmp_path / "hf")
   out = convert("hf", tmp_path / "hf", progress=False)

@@ -83,11 +83,17 @@ def test_ids_match_transformers(tokenizer, hf_tokenizer):
   assert not mismatches, mismatches
 
 
+def lossless(text: str) -> str:
+  """What decoding gives back: SentencePiece writes spaces as U+2581, so a U+2581 in the
+  input comes back as a space (Gemma's own tokenizer does the same)."""
+  return text.replace("\u2581", " ")
+
+
 @pytest.mark.slow
 def test_decode_round_trips(tokenizer, hf_tokenizer):
   for text in TEXTS:
     ids = tokenizer.encode(text)
-    assert tokenizer.decode(ids) == text
+    assert tokenizer.decode(ids) == lossless(text)
     assert tokenizer.decode(ids) == hf_tokenizer.decode(ids)
   assert tokenizer.decode([2, *tokenizer.encode("hi"), 106, 1]) == "hi"
 
@@ -192,7 +198,7 @@ def test_incremental_detokenizer(tokenizer):
     detok = tokenizer.detokenizer()
     deltas = [detok.push(i) for i in ids]
     deltas.append(detok.flush())
-    assert "".join(deltas) == tokenizer.decode(ids) == text
+    assert "".join(deltas) == tokenizer.decode(ids) == lossless(text)
     assert not any("\ufffd" in d for d in deltas), (text, deltas)
   # Byte-fallback pieces: nothing is emitted until the character is complete.
   byte_ids = [tokenizer.sp.piece_to_id(f"<0x{b:02X}>") for b in "🙂".encode()]

@@ -1,0 +1,452 @@
+"""The engine API: `Engine.from_checkpoint(...)`, `engine.generate(...)`, `engine.stats()`.
+
+The engine owns the mailbox, the executor thread (which runs the serving loop until shutdown)
+and a poller thread that reads output rings. `generate` submits through the same mailbox
+protocol as the HTTP frontend, so the device cannot tell the two apart.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import mmap
+import os
+import queue
+import threading
+import time
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from blink_jax import mailbox as M
+from blink_jax import protocol as P
+from blink_jax.xla_flags import configure_command_buffers
+
+log = logging.getLogger("blink_jax.engine")
+
+
+class EngineStoppedError(RuntimeError):
+  """The engine was shut down."""
+
+
+@dataclasses.dataclass
+class SamplingParams:
+  max_tokens: int = 16
+  temperature: float = 0.0
+  top_p: float = 1.0
+  top_k: int = 0
+  seed: int | None = None
+  stop: str | Sequence[str] | None = None
+  stop_token_ids: Sequence[int] = ()
+  logprobs: int | None = None  # top-n alternatives per token (0: only the sampled token's)
+  ignore_eos: bool = False
+
+  def stop_strings(self) -> list[str]:
+    if self.stop is None:
+      return []
+    return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+  def validate(self, vocab_size: int, max_top_logprobs: int) -> None:
+    """Raises ValueError naming the first bad value."""
+    import math
+    if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+      raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+    if not math.isfinite(self.temperature) or self.temperature < 0:
+      raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+    if not (0 < self.top_p <= 1):
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+    if not isinstance(self.top_k, int) or self.top_k < 0:
+      raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+    if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**64):
+      raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+    if len(self.stop_token_ids) > P.MAX_STOP_IDS:
+      raise ValueError(f"at most {P.MAX_STOP_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
+    for t in self.stop_token_ids:
+      if not isinstance(t, int) or not 0 <= t < vocab_size:
+        raise ValueError(f"stop_token_ids: {t!r} is not a token id of this model")
+    if any(not isinstance(s, str) or not s for s in self.stop_strings()):
+      raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+    if self.logprobs is not None and not 0 <= self.logprobs <= max_top_logprobs:
+      raise ValueError(f"logprobs must be in [0, {max_top_logprobs}], got {self.logprobs!r}")
+
+
+@dataclasses.dataclass
+class RequestOutput:
+  prompt_token_ids: list[int]
+  token_ids: list[int]
+  text: str
+  finish_reason: str  # "stop" | "length" | "cancelled" | "error: ..."
+  logprobs: list[float] | None = None
+  top_logprobs: list[list[tuple[int, float]]] | None = None
+  ttft_s: float = 0.0
+  e2e_s: float = 0.0
+  preemptions: int = 0
+
+
+@dataclasses.dataclass
+class StreamDelta:
+  text: str
+  token_ids: list[int]
+  finish_reason: str | None = None
+
+
+class _Tracked:
+  """A request in flight: its slot, its outputs so far, and who waits for them."""
+
+  def __init__(self, slot: int, prompt: list[int], params: SamplingParams, tokenizer):
+    self.slot, self.prompt, self.params = slot, prompt, params
+    self.tokens: list[int] = []
+    self.lps: list[float] = []
+    self.top: list = []
+    self.events: queue.Queue = queue.Queue()
+    self.t_submit = time.perf_counter()
+    self.t_first = 0.0
+    self.t_done = 0.0
+    self.stops = params.stop_strings()
+    self.detok = tokenizer.detokenizer() if tokenizer is not None else None
+    self.text = ""
+    self.stopped_by_string = False
+    self.cancel_sent = False
+    self.preemptions = 0
+
+
+def _finish_name(reason: P.Finish, error: P.Error) -> str:
+  if reason == P.Finish.ERROR:
+    return f"error: {P.ERROR_MESSAGES.get(error, error.name)}"
+  return {P.Finish.STOP: "stop", P.Finish.LENGTH: "length",
+          P.Finish.CANCELLED: "cancelled"}[reason]
+
+
+def _host_mapped_buffer(nbytes: int) -> np.ndarray:
+  """Page-aligned anonymous memory the GPU can map (cudaHostRegister needs whole pages)."""
+  size = (nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+  return np.frombuffer(mmap.mmap(-1, size), np.uint8)
+
+
+class Engine:
+  """Serves one model from one device; thread-safe `generate` for many callers."""
+
+  def __init__(self, model, tokenizer=None, *, max_seqs: int = 8, kv_pages: int | None = None,
+               page_size: int = 16, max_context: int | None = None, num_slots: int = 64,
+               ring_capacity: int = 64, max_top_logprobs: int = 8,
+               buckets: Sequence[int] | None = None, mode: str = "persistent",
+               idle_poll_us: int = 200, region: Any = None, model_name: str = "model",
+               tokenizer_path: str | None = None, eos_ids: Sequence[int] | None = None):
+    import jax
+
+    from blink_jax import executor as X
+    from blink_jax import ffi as F
+
+    if mode not in ("persistent", "host"):
+      raise ValueError(f"mode must be 'persistent' or 'host', got {mode!r}")
+    cfg = model.cfg
+    self.model_cfg, self.tokenizer, self.mode = cfg, tokenizer, mode
+    self.model_name, self.tokenizer_path = model_name, tokenizer_path
+    self.max_context = max_context or min(cfg.max_context, 4096)
+    if buckets is None:
+      budget = max(256, max_seqs)
+      buckets = tuple(sorted({min(b, budget) for b in (1, 8, 64, budget) if b >= 1}
+                             | {budget}))
+      buckets = tuple(b for b in buckets if b >= 1)
+    max_pages = -(-self.max_context // page_size)
+    kv_pages = kv_pages or max_pages * max_seqs
+    self.max_top_logprobs = max_top_logprobs
+    self.geo = P.Geometry(num_slots, self.max_context - 1, ring_capacity, max_top_logprobs)
+    self.eos_ids = tuple(eos_ids if eos_ids is not None else
+                         (tokenizer.eos_ids if tokenizer is not None else ()))[:4]
+    self.device = jax.devices()[0]
+    on_gpu = self.device.platform == "gpu"
+
+    # The mailbox: host memory the device reads in place.
+    self.region = region or M.LocalRegion(_host_mapped_buffer(self.geo.total_bytes))
+    M.init_header(self.region, self.geo, vocab_size=cfg.vocab_size,
+                  max_context=self.max_context, num_workers=1,
+                  eos_id=self.eos_ids[0] if self.eos_ids else 0)
+    self._registered = None
+    mailbox_addr = self.region.address
+    if on_gpu:
+      cuda = F.cuda_library()
+      if cuda is None:
+        raise RuntimeError("running on a GPU but the CUDA handlers were not built "
+                           "(reinstall with nvcc on PATH)")
+      import ctypes
+      dev = ctypes.c_uint64()
+      rc = cuda.blink_cuda_register_host(self.region.address, self.geo.total_bytes,
+                                         ctypes.byref(dev))
+      if rc:
+        raise RuntimeError(f"cudaHostRegister failed: {cuda.blink_cuda_error_string(rc)}")
+      self._registered = self.region.address
+      mailbox_addr = dev.value
+    self.sched = F.SchedConfig.build(
+        mailbox=mailbox_addr, num_slots=num_slots, max_prompt=self.geo.max_prompt,
+        ring_capacity=ring_capacity, max_top_logprobs=max_top_logprobs,
+        vocab_size=cfg.vocab_size, max_seqs=max_seqs, max_context=self.max_context,
+        page_size=page_size, num_pages=kv_pages, buckets=tuple(buckets),
+        eos_ids=self.eos_ids, idle_poll_us=idle_poll_us)
+    self.executor = X.Executor(model, self.sched, max_top_logprobs=max_top_logprobs,
+                               device=self.device)
+    log.info("engine: model %s (%s, %d layers), dtype %s, device %s, mode %s, max_seqs %d, "
+             "kv pages %d x %d, buckets %s", model_name, cfg.name, cfg.num_layers,
+             model.dtype, self.device, mode, max_seqs, kv_pages, page_size, list(buckets))
+    carry = self.executor.initial_carry()
+    self.compiled = self.executor.compile(carry, mode)
+    self.loop_report = X.device_while_report(self.compiled) if on_gpu else {
+        "device_while": False, "reason": "CPU: the loop runs in XLA's CPU runtime"}
+    log.info("loop on device: %s", self.loop_report)
+
+    self.client = M.MailboxClient(self.region)
+    self._lock = threading.Lock()
+    self._slot_free = threading.Condition(self._lock)
+    self._active: dict[int, _Tracked] = {}
+    self._stopping = False
+    self._error: BaseException | None = None
+    self._final_carry = None
+    self._loop_thread = threading.Thread(target=self._run_loop, args=(carry,),
+                                         name="blink-loop", daemon=True)
+    self._poll_thread = threading.Thread(target=self._poll, name="blink-poll", daemon=True)
+    self._set_engine_state(P.EngineState.READY)
+    self._loop_thread.start()
+    self._poll_thread.start()
+
+  # ---- construction from a checkpoint ----
+  @classmethod
+  def from_checkpoint(cls, name_or_path: str, *, dtype: str = "bfloat16", **kw) -> "Engine":
+    configure_command_buffers()
+    import jax.numpy as jnp
+
+    from blink_jax.checkpoint import load_checkpoint, load_tokenizer, resolve_checkpoint
+    from blink_jax.model import Gemma
+
+    dtypes = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+    if dtype not in dtypes:
+      raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
+    path = resolve_checkpoint(name_or_path)
+    cfg, params = load_checkpoint(path, dtype=dtypes[dtype])
+    model = Gemma.from_params(cfg, params, dtype=dtypes[dtype])
+    tok = load_tokenizer(path)
+    return cls(model, tok, model_name=str(name_or_path),
+               tokenizer_path=str(path / "tokenizer.model"), **kw)
+
+  # ---- lifecycle ----
+  def _set_engine_state(self, s: P.EngineState) -> None:
+    off = P.HEADER_DTYPE.fields["engine_state"][1]
+    self.region.write(off, int(s).to_bytes(4, "little"))
+
+  def _run_loop(self, carry) -> None:
+    try:
+      if self.mode == "persistent":
+        self._final_carry = self.executor.run_persistent(carry, self.compiled)
+      else:
+        self._final_carry = self.executor.run_host(carry, self.compiled)
+    except BaseException as e:  # surfaced to callers
+      log.exception("serving loop failed")
+      self._error = e
+    finally:
+      self._set_engine_state(P.EngineState.STOPPED)
+
+  def shutdown(self, timeout: float = 60.0) -> None:
+    """Cancels what is in flight, stops the loop and joins the threads."""
+    with self._lock:
+      if self._stopping:
+        return
+      self._stopping = True
+      for t in self._active.values():
+        self.client.cancel(t.slot)
+    deadline = time.monotonic() + timeout
+    while self._active and time.monotonic() < deadline and self._loop_thread.is_alive():
+      time.sleep(0.005)
+    off = P.HEADER_DTYPE.fields["shutdown"][1]
+    self.region.write(off, (1).to_bytes(4, "little"))
+    self._loop_thread.join(max(0.0, deadline - time.monotonic()))
+    self._poll_thread.join(1.0)
+    if self._registered is not None:
+      from blink_jax import ffi as F
+      F.cuda_library().blink_cuda_unregister_host(self._registered)
+      self._registered = None
+    self._final_carry = None
+    with self._lock:
+      for t in self._active.values():
+        t.events.put(None)
+      self._slot_free.notify_all()
+
+  def __enter__(self) -> "Engine":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.shutdown()
+
+  @property
+  def running(self) -> bool:
+    return self._loop_thread.is_alive() and not self._stopping
+
+  # ---- requests ----
+  def _encode(self, prompt) -> list[int]:
+    if isinstance(prompt, str):
+      if self.tokenizer is None:
+        raise ValueError("this engine has no tokenizer: pass prompt_token_ids")
+      return self.tokenizer.encode(prompt, add_bos=True)
+    ids = [int(t) for t in prompt]
+    bad = [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]
+    if bad:
+      raise ValueError(f"token ids outside the vocabulary [0, {self.model_cfg.vocab_size}): "
+                       f"{bad[:5]}")
+    return ids
+
+  def _submit(self, ids: list[int], params: SamplingParams) -> _Tracked:
+    if not ids:
+      raise ValueError("empty prompt")
+    if len(ids) >= self.max_context:
+      raise ValueError(f"prompt of {len(ids)} tokens does not fit the context of "
+                       f"{self.max_context} tokens (at least one token must be generated)")
+    params.validate(self.model_cfg.vocab_size, self.max_top_logprobs)
+    seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+    req = M.Request(prompt=ids, max_tokens=params.max_tokens, temperature=params.temperature,
+                    top_p=params.top_p, top_k=params.top_k, seed=seed,
+                    stop_ids=tuple(params.stop_token_ids),
+                    num_logprobs=params.logprobs or 0, logprobs=params.logprobs is not None,
+                    ignore_eos=params.ignore_eos)
+    with self._lock:
+      while True:
+        if self._stopping or not self._loop_thread.is_alive():
+          raise EngineStoppedError("the engine is stopped") from self._error
+        if self.client.free_slots:
+          break
+        self._slot_free.wait(0.1)
+      slot = self.client.submit(req)
+      t = _Tracked(slot, ids, params, self.tokenizer)
+      self._active[slot] = t
+      return t
+
+  def _poll(self) -> None:
+    """Reads output rings of the requests in flight and hands new tokens to their callers."""
+    idle = 0
+    while True:
+      with self._lock:
+        items = list(self._active.items())
+      if not items and (self._stopping or not self._loop_thread.is_alive()):
+        return
+      progressed = False
+      for slot, t in items:
+        out = self.client.poll(slot)
+        if out.tokens or out.finished:
+          progressed = True
+          self._deliver(t, out)
+        if out.finished:
+          with self._lock:
+            del self._active[slot]
+            self.client.release(slot)
+            self._slot_free.notify()
+      if not self._loop_thread.is_alive():
+        with self._lock:  # the loop died: nobody will finish these
+          for slot, t in list(self._active.items()):
+            t.events.put(None)
+            del self._active[slot]
+        return
+      idle = 0 if progressed else idle + 1
+      time.sleep(0 if progressed else min(1e-3, 2e-5 * idle))
+
+  def _deliver(self, t: _Tracked, out: M.Output) -> None:
+    now = time.perf_counter()
+    if out.tokens and not t.t_first:
+      t.t_first = now
+    t.preemptions = out.preemptions
+    delta_text, delta_ids = "", []
+    for i, tok in enumerate(out.tokens):
+      if t.stopped_by_string:
+        break
+      delta_ids.append(tok)
+      t.tokens.append(tok)
+      if t.params.logprobs is not None:
+        t.lps.append(out.logprobs[i])
+        t.top.append(out.top[i][:t.params.logprobs] if out.top else [])
+      if t.detok is not None:
+        piece = t.detok.push(tok)
+        t.text += piece
+        delta_text += piece
+        cut = self._stop_cut(t)
+        if cut is not None:
+          delta_text = delta_text[:len(delta_text) - (len(t.text) - cut)]
+          t.text = t.text[:cut]
+          t.stopped_by_string = True
+          if not t.cancel_sent:
+            self.client.cancel(t.slot)
+            t.cancel_sent = True
+    if delta_ids or delta_text:
+      t.events.put(StreamDelta(delta_text, delta_ids))
+    if out.finished:
+      t.t_done = now
+      reason = "stop" if t.stopped_by_string else _finish_name(out.finish_reason, out.error)
+      if t.detok is not None and not t.stopped_by_string:
+        tail = t.detok.flush()
+        t.text += tail
+        if tail:
+          t.events.put(StreamDelta(tail, []))
+      t.events.put(StreamDelta("", [], reason))
+
+  @staticmethod
+  def _stop_cut(t: _Tracked) -> int | None:
+    """Index where the first stop string starts in the text so far, if one has appeared."""
+    cuts = [i for i in (t.text.find(s) for s in t.stops) if i >= 0]
+    return min(cuts) if cuts else None
+
+  def _collect(self, t: _Tracked) -> RequestOutput:
+    reason = None
+    while reason is None:
+      ev = t.events.get()
+      if ev is None:
+        raise EngineStoppedError("the engine stopped before the request finished") from self._error
+      reason = ev.finish_reason
+    if reason.startswith("error"):
+      raise ValueError(f"the device rejected the request: {reason[7:]}")
+    return RequestOutput(
+        prompt_token_ids=t.prompt, token_ids=list(t.tokens), text=t.text, finish_reason=reason,
+        logprobs=list(t.lps) if t.params.logprobs is not None else None,
+        top_logprobs=list(t.top) if t.params.logprobs is not None else None,
+        ttft_s=(t.t_first or t.t_done) - t.t_submit, e2e_s=t.t_done - t.t_submit,
+        preemptions=t.preemptions)
+
+  def generate(self, prompts: str | Sequence[str] | None = None,
+               sampling: SamplingParams | None = None, *,
+               prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+               stream: bool = False):
+    """Generates for one or many prompts (text or token ids).
+
+    Returns a list of RequestOutput (a single one for a single prompt), or with stream=True
+    (one prompt) an iterator of StreamDelta.
+    """
+    sampling = sampling or SamplingParams()
+    if (prompts is None) == (prompt_token_ids is None):
+      raise ValueError("pass exactly one of prompts and prompt_token_ids")
+    if prompts is not None:
+      single = isinstance(prompts, str)
+      items = [prompts] if single else list(prompts)
+    else:
+      single = len(prompt_token_ids) > 0 and isinstance(prompt_token_ids[0], (int, np.integer))
+      items = [prompt_token_ids] if single else list(prompt_token_ids)
+    encoded = [self._encode(p) for p in items]
+    if stream:
+      if not single:
+        raise ValueError("stream=True takes a single prompt")
+      return self._stream(self._submit(encoded[0], dataclasses.replace(sampling)))
+    tracked = [self._submit(ids, dataclasses.replace(sampling)) for ids in encoded]
+    outs = [self._collect(t) for t in tracked]
+    return outs[0] if single else outs
+
+  def _stream(self, t: _Tracked) -> Iterator[StreamDelta]:
+    while True:
+      ev = t.events.get()
+      if ev is None:
+        raise EngineStoppedError("the engine stopped before the request finished")
+      yield ev
+      if ev.finish_reason is not None:
+        return
+
+  # ---- observability ----
+  def stats(self) -> dict[str, int]:
+    """Counters the device publishes in the mailbox header."""
+    h = M.read_header(self.region)
+    keys = ["loop_iterations", "steps", "tokens_generated", "prompt_tokens",
+            "requests_admitted", "requests_finished", "requests_errored", "requests_cancelled",
+            "preemptions", "pages_in_use", "pages_total", "running", "waiting"]
+    out = {k: int(h[k]) for k in keys}
+    out["engine_state"] = P.EngineState(int(h["engine_state"])).name.lower()
+    return out

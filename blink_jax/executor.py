@@ -1,0 +1,161 @@
+"""The executor: one XLA program that serves until the mailbox's shutdown word is set.
+
+Persistent mode: `jax.jit` of a `lax.while_loop` whose body is blink_schedule (FFI) -> the
+model step on the step's ragged batch (one `lax.switch` branch per token bucket; an empty step
+runs no model) -> blink_commit (FFI). KV pages, scheduler state, history and page tables are
+the loop carry (donated). On a GPU with the command-buffer flags the loop becomes a CUDA graph
+with a device-side WHILE node: after launch the host CPU does nothing.
+
+Host mode: the same step, jitted alone, driven by a Python loop that waits for every step (the
+conventional design of JetStream and vLLM); the baseline every benchmark compares to.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from blink_jax import batch as B
+from blink_jax import ffi as F
+from blink_jax.model import Gemma, init_kv_cache
+from blink_jax.sampling import sample
+
+log = logging.getLogger("blink_jax.executor")
+
+
+@dataclasses.dataclass
+class Carry:
+  state: jax.Array       # scheduler state (int32 words, layout private to ffi/)
+  history: jax.Array     # [max_seqs, max_context] token ids per lane
+  page_table: jax.Array  # [max_seqs, max_pages_per_seq]
+  kv: list               # per layer (k_pages, v_pages)
+  shutdown: jax.Array    # int32 scalar: the last schedule saw the shutdown word
+
+
+jax.tree_util.register_dataclass(Carry, data_fields=["state", "history", "page_table", "kv",
+                                                     "shutdown"], meta_fields=[])
+
+
+def schedule_call(cfg: F.SchedConfig, state, history, page_table):
+  out = (jax.ShapeDtypeStruct(state.shape, jnp.int32),
+         jax.ShapeDtypeStruct(history.shape, jnp.int32),
+         jax.ShapeDtypeStruct(page_table.shape, jnp.int32),
+         jax.ShapeDtypeStruct((F.batch_words(cfg),), jnp.int32))
+  return jax.ffi.ffi_call("blink_schedule", out, input_output_aliases={0: 0, 1: 1, 2: 2},
+                          has_side_effect=True)(state, history, page_table, **cfg.attrs())
+
+
+def commit_call(cfg: F.SchedConfig, state, history, page_table, words, sampled, logprobs,
+                top_ids, top_lps):
+  out = (jax.ShapeDtypeStruct(state.shape, jnp.int32),
+         jax.ShapeDtypeStruct(history.shape, jnp.int32))
+  return jax.ffi.ffi_call("blink_commit", out, input_output_aliases={0: 0, 1: 1},
+                          has_side_effect=True)(state, history, page_table, words, sampled,
+                                                logprobs, top_ids, top_lps, **cfg.attrs())
+
+
+class Executor:
+  """Owns the device state and runs the serving loop over one mailbox."""
+
+  def __init__(self, model: Gemma, sched: F.SchedConfig, *, max_top_logprobs: int,
+               device: jax.Device | None = None):
+    F.register_targets()
+    self.model = model
+    self.sched = sched
+    self.max_top = max_top_logprobs
+    self.device = device or jax.devices()[0]
+    self.graphdef, self.params = nnx.split(model)
+    self._step = jax.jit(self._step_fn, donate_argnums=(1,))
+    self._loop = jax.jit(self._loop_fn, donate_argnums=(1,))
+
+  # ---- state ----
+  def initial_carry(self) -> Carry:
+    s = self.sched
+    with jax.default_device(self.device):
+      return Carry(
+          state=jnp.asarray(F.initial_state(s)),
+          history=jnp.zeros((s.max_seqs, s.max_context), jnp.int32),
+          page_table=jnp.zeros((s.max_seqs, s.max_pages_per_seq), jnp.int32),
+          kv=init_kv_cache(self.model.cfg, s.num_pages, s.page_size, self.model.dtype),
+          shutdown=jnp.zeros((), jnp.int32))
+
+  # ---- one step ----
+  def _bucket_branch(self, rows: int):
+    s, max_top = self.sched, self.max_top
+    samples = min(rows, s.max_seqs)
+
+    def run(params, words, page_table, kv):
+      model = nnx.merge(self.graphdef, params)
+      b = B.split(words, s.token_budget, s.max_seqs, rows, samples)
+      hidden, kv = model.forward(b.tokens, b.positions, b.seq_ids, page_table, kv)
+      h = hidden[jnp.clip(b.rows, 0, rows - 1)]
+      logits = model.logits(h)
+      f32 = lambda bits: lax.bitcast_convert_type(bits, jnp.float32)
+      tok, lp, tid, tlp = sample(logits, f32(b.temperature), f32(b.top_p), b.top_k, b.seed_lo,
+                                 b.seed_hi, b.position, b.num_logprobs, max_top=max_top)
+      pad = s.max_seqs - samples
+      return (jnp.pad(tok, (0, pad)), jnp.pad(lp, (0, pad)), jnp.pad(tid, ((0, pad), (0, 0))),
+              jnp.pad(tlp, ((0, pad), (0, 0))), kv)
+
+    return run
+
+  def _empty_branch(self, params, words, page_table, kv):
+    n, k = self.sched.max_seqs, self.max_top
+    return (jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.float32),
+            jnp.zeros((n, k), jnp.int32), jnp.zeros((n, k), jnp.float32), kv)
+
+  def _step_fn(self, params, c: Carry) -> Carry:
+    s = self.sched
+    state, history, page_table, words = schedule_call(s, c.state, c.history, c.page_table)
+    branches = [self._empty_branch] + [self._bucket_branch(r) for r in s.buckets]
+    tok, lp, tid, tlp, kv = lax.switch(words[B.BUCKET] + 1, branches, params, words,
+                                       page_table, c.kv)
+    state, history = commit_call(s, state, history, page_table, words, tok, lp, tid, tlp)
+    return Carry(state, history, page_table, kv, words[B.SHUTDOWN])
+
+  def _loop_fn(self, params, c: Carry) -> Carry:
+    return lax.while_loop(lambda c: c.shutdown == 0, lambda c: self._step_fn(params, c), c)
+
+  # ---- drivers ----
+  def compile(self, carry: Carry, mode: str):
+    """AOT-compiles the loop (persistent) or the step (host); returns the compiled object."""
+    fn = self._loop if mode == "persistent" else self._step
+    t0 = time.perf_counter()
+    compiled = fn.lower(self.params, carry).compile()
+    log.info("compiled %s %s in %.1f s", mode, "loop" if mode == "persistent" else "step",
+             time.perf_counter() - t0)
+    return compiled
+
+  def run_persistent(self, carry: Carry, compiled=None) -> Carry:
+    """Runs until the shutdown word is set; returns the final carry."""
+    fn = compiled or self._loop
+    return jax.block_until_ready(fn(self.params, carry))
+
+  def run_host(self, carry: Carry, compiled=None, on_step=None) -> Carry:
+    """Host-driven: Python launches every step and waits for it (the conventional design)."""
+    fn = compiled or self._step
+    while True:
+      carry = fn(self.params, carry)
+      if int(carry.shutdown):  # waits for the step, as serving loops that read tokens do
+        return carry
+      if on_step is not None:
+        on_step(carry)
+
+
+def device_while_report(compiled) -> dict[str, Any]:
+  """Whether the compiled loop runs as a device-side WHILE node (inspects the HLO)."""
+  try:
+    text = compiled.as_text()
+  except Exception as e:  # pragma: no cover - depends on the jax version
+    return {"device_while": None, "reason": f"no HLO text: {e}"}
+  has_while = " while(" in text or "while(" in text
+  in_cmd_buffer = "command_buffer" in text
+  return {"device_while": bool(has_while and in_cmd_buffer), "hlo_has_while": has_while,
+          "hlo_has_command_buffer": in_cmd_buffer}

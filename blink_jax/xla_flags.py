@@ -1,0 +1,48 @@
+"""XLA flags that let the serving loop run as a CUDA graph with device-side control flow.
+
+They must be set before JAX creates its GPU client (measured on an H200: a host-driven
+while_loop iteration costs 18.6 us, a command-buffer WHILE node iteration 6.4 us).
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+log = logging.getLogger("blink_jax")
+
+COMMAND_BUFFER_FLAGS = (
+    "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL",
+    "--xla_gpu_graph_min_graph_size=1",
+)
+
+
+def cuda_plugin_installed() -> bool:
+  return any(importlib.util.find_spec(m) is not None
+             for m in ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13",
+                       "jax_plugins.xla_cuda12"))
+
+
+def backend_started() -> bool:
+  try:
+    from jax._src import xla_bridge
+    return bool(getattr(xla_bridge, "_backends", {}))
+  except Exception:  # pragma: no cover - private API moved
+    return False
+
+
+def configure_command_buffers() -> bool:
+  """Adds the command-buffer flags to XLA_FLAGS; returns whether they will take effect."""
+  if not cuda_plugin_installed():
+    return False
+  current = os.environ.get("XLA_FLAGS", "")
+  missing = [f for f in COMMAND_BUFFER_FLAGS if f.split("=")[0] not in current]
+  if not missing:
+    return True
+  if backend_started():
+    log.warning("JAX's backend is already running: the command-buffer flags cannot take "
+                "effect and the loop will be driven by the host. Create the Engine before "
+                "any other JAX work, or set XLA_FLAGS=%s", " ".join(COMMAND_BUFFER_FLAGS))
+    return False
+  os.environ["XLA_FLAGS"] = " ".join([current, *missing]).strip()
+  return True
