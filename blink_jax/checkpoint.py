@@ -127,13 +127,13 @@ def resolve_checkpoint(name_or_path: str | os.PathLike, *, progress: bool = True
   A catalog checkpoint that needs converting is converted on first use (into a temporary
   directory renamed into place, so an interrupted conversion is redone, never half-used).
   """
-  as_path = Path(name_or_path).expanduser()
-  if as_path.is_dir():
-    _require_complete(as_path)
-    return as_path.absolute()
   catalog = load_catalog()
   name = str(name_or_path)
-  if name not in catalog:
+  if name not in catalog:  # catalog names win over same-named directories in the cwd
+    as_path = Path(name_or_path).expanduser()
+    if as_path.is_dir():
+      _require_complete(as_path)
+      return as_path.absolute()
     raise ValueError(f"unknown checkpoint {name!r}: not a directory and not in the catalog "
                      f"{CATALOG_FILE}; known names: {sorted(catalog)}")
   source = catalog[name]["source"]

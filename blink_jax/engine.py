@@ -6,6 +6,7 @@ protocol as the HTTP frontend, so the device cannot tell the two apart.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import mmap
@@ -13,6 +14,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -22,6 +24,15 @@ from blink_jax import protocol as P
 from blink_jax.xla_flags import configure_command_buffers
 
 log = logging.getLogger("blink_jax.engine")
+
+_LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_engines() -> None:
+  # A device loop still running when the interpreter exits would abort the process.
+  for eng in list(_LIVE_ENGINES):
+    eng.shutdown(timeout=5.0)
 
 
 class EngineStoppedError(RuntimeError):
@@ -139,6 +150,9 @@ class Engine:
     if mode not in ("persistent", "host"):
       raise ValueError(f"mode must be 'persistent' or 'host', got {mode!r}")
     cfg = model.cfg
+    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
+      raise ValueError(f"tokenizer has {tokenizer.vocab_size} pieces but the model only "
+                       f"{cfg.vocab_size} embeddings")
     self.model_cfg, self.tokenizer, self.mode = cfg, tokenizer, mode
     self.model_name, self.tokenizer_path = model_name, tokenizer_path
     self.max_context = max_context or min(cfg.max_context, 4096)
@@ -204,6 +218,7 @@ class Engine:
                                          name="blink-loop", daemon=True)
     self._poll_thread = threading.Thread(target=self._poll, name="blink-poll", daemon=True)
     self._set_engine_state(P.EngineState.READY)
+    _LIVE_ENGINES.add(self)
     self._loop_thread.start()
     self._poll_thread.start()
 
@@ -329,7 +344,14 @@ class Engine:
         out = self.client.poll(slot)
         if out.tokens or out.finished:
           progressed = True
-          self._deliver(t, out)
+          try:
+            self._deliver(t, out)
+          except Exception as e:  # one bad request must not stop the others
+            log.exception("delivering output of slot %d failed", slot)
+            t.events.put(StreamDelta("", [], f"error: {e}"))
+            if not out.finished:
+              self.client.cancel(slot)
+              continue
         if out.finished:
           with self._lock:
             del self._active[slot]
@@ -419,6 +441,8 @@ class Engine:
     if prompts is not None:
       single = isinstance(prompts, str)
       items = [prompts] if single else list(prompts)
+      if not all(isinstance(p, str) for p in items):
+        raise TypeError("prompts must be strings; pass token ids as prompt_token_ids=")
     else:
       single = len(prompt_token_ids) > 0 and isinstance(prompt_token_ids[0], (int, np.integer))
       items = [prompt_token_ids] if single else list(prompt_token_ids)

@@ -39,7 +39,13 @@ class LocalRegion:
     return self.buf[offset:offset + nbytes].tobytes()
 
   def write(self, offset: int, data: bytes) -> None:
-    self.buf[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
+    n = len(data)
+    if n in (4, 8) and offset % n == 0:
+      # A sequence / cancel / doorbell word: one aligned store, never torn.
+      self.buf[offset:offset + n].view("<u4" if n == 4 else "<u8")[0] = (
+          int.from_bytes(data, "little"))
+    else:
+      self.buf[offset:offset + n] = np.frombuffer(data, np.uint8)
 
 
 def init_header(region: Region, geo: P.Geometry, *, vocab_size: int, max_context: int,
@@ -120,10 +126,20 @@ class MailboxClient:
     self._seq: dict[int, int] = {}
     self._read: dict[int, int] = {}
     self._doorbell = int(self.header["doorbell"][worker])
-    # Continue the sequence numbers a previous client of these slots left behind.
+    # Continue the sequence numbers a previous client of these slots left behind. A slot whose
+    # request is still unfinished (its client died) is cancelled and kept out of the free list
+    # until the device finishes it: see reclaim().
+    self._stale: set[int] = set()
     for s in self.slots:
       req = self._request(s)
       self._seq[s] = int(req["seq"])
+      if self._seq[s] != 0 and int(self._output(s)["finished_seq"]) != self._seq[s]:
+        self._stale.add(s)
+        self._free.remove(s)
+    if self._stale:
+      for s in sorted(self._stale):
+        self.region.write(self.geo.request_offset(s) + 4, _u32(self._seq[s]))
+      self._ring_doorbell()
 
   # ---- low level ----
   def _request(self, slot: int) -> np.ndarray:
@@ -146,6 +162,20 @@ class MailboxClient:
   def free_slots(self) -> int:
     return len(self._free)
 
+  @property
+  def stale_slots(self) -> int:
+    return len(self._stale)
+
+  def reclaim(self) -> int:
+    """Frees the stale slots (left unfinished by a previous client) that have finished since;
+    returns how many are still pending."""
+    with self._lock:
+      for s in sorted(self._stale):
+        if int(self._output(s)["finished_seq"]) == self._seq[s]:
+          self._stale.discard(s)
+          self._free.append(s)
+      return len(self._stale)
+
   # ---- requests ----
   def submit(self, r: Request, overrides: dict | None = None) -> int:
     """Writes `r` into a free slot and publishes it; returns the slot.
@@ -159,6 +189,8 @@ class MailboxClient:
     if len(r.prompt) > g.max_prompt:
       raise ValueError(f"prompt of {len(r.prompt)} tokens exceeds the slot capacity "
                        f"{g.max_prompt}")
+    if not self._free and self._stale:
+      self.reclaim()
     with self._lock:
       if not self._free:
         raise SlotsFullError(f"all {len(self.slots)} slots of worker {self.worker} are busy")
@@ -208,20 +240,17 @@ class MailboxClient:
     n = count - start
     tokens, lps, top = [], [], []
     if n > 0:
-      idx = [(start + i) % g.ring_capacity for i in range(n)]
-      ring_t = np.frombuffer(self.region.read(g.out_tokens_offset(slot), 4 * g.ring_capacity),
-                             "<i4")
-      ring_l = np.frombuffer(self.region.read(g.out_logprobs_offset(slot),
-                                              4 * g.ring_capacity), "<f4")
-      tokens = [int(ring_t[i]) for i in idx]
-      lps = [float(ring_l[i]) for i in idx]
-      k = g.max_top_logprobs
+      # The whole ring in one load (tokens | logprobs | top ids | top logprobs are contiguous):
+      # one round trip on a remote transport.
+      ring, k = g.ring_capacity, g.max_top_logprobs
+      raw = self.region.read(g.out_tokens_offset(slot), ring * (8 + 8 * k))
+      idx = (start + np.arange(n)) % ring
+      tokens = np.frombuffer(raw, "<i4", ring, 0)[idx].tolist()
+      lps = np.frombuffer(raw, "<f4", ring, 4 * ring)[idx].tolist()
       if k:
-        ti = np.frombuffer(self.region.read(g.out_top_ids_offset(slot),
-                                            4 * k * g.ring_capacity), "<i4").reshape(-1, k)
-        tl = np.frombuffer(self.region.read(g.out_top_logprobs_offset(slot),
-                                            4 * k * g.ring_capacity), "<f4").reshape(-1, k)
-        top = [[(int(a), float(b)) for a, b in zip(ti[i], tl[i])] for i in idx]
+        ti = np.frombuffer(raw, "<i4", ring * k, 8 * ring).reshape(ring, k)[idx].tolist()
+        tl = np.frombuffer(raw, "<f4", ring * k, 8 * ring + 4 * ring * k).reshape(ring, k)[idx]
+        top = [list(zip(a, b)) for a, b in zip(ti, tl.tolist())]
       self._read[slot] = count
       self.region.write(g.request_offset(slot) + 8, _u32(count))  # consumed
     return Output(tokens, lps, top, finished,

@@ -18,9 +18,13 @@ COMMAND_BUFFER_FLAGS = (
 
 
 def cuda_plugin_installed() -> bool:
-  return any(importlib.util.find_spec(m) is not None
-             for m in ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13",
-                       "jax_plugins.xla_cuda12"))
+  def found(name: str) -> bool:
+    try:
+      return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # parent package absent
+      return False
+  return any(found(m) for m in ("jax_cuda13_plugin", "jax_cuda12_plugin",
+                                "jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12"))
 
 
 def backend_started() -> bool:

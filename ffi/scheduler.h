@@ -449,6 +449,7 @@ struct BlinkSched {
     batch[B_NUM_SAMPLES] = s(S_NUM_SAMPLES);
     batch[B_SHUTDOWN] = s(S_SHUTDOWN);
     batch[B_NUM_DECODE] = s(S_NUM_DECODE);
+    for (int i = B_NUM_DECODE + 1; i < B_HEADER_WORDS; ++i) batch[i] = 0;
   }
 
   template <class X>

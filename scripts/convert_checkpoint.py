@@ -6,7 +6,7 @@
 """
 from __future__ import annotations
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from blink_jax import checkpoint
 from blink_jax.convert import SOURCES, convert
@@ -18,11 +18,14 @@ CONFIG = flags.DEFINE_string("config", None, "Config name (blink_jax.config.CONF
                              "the source does not state; default: inferred from the weights.")
 TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.model to use instead of / in the "
                                 "absence of the source's own.")
+FLAGS = flags.FLAGS
 flags.mark_flags_as_required(["source", "input", "output"])
 
 
 def main(argv):
   del argv
+  if not FLAGS["verbosity"].present:  # orbax logs every step at INFO; -v 0 shows it
+    logging.set_verbosity(logging.WARNING)
   converted = convert(SOURCE.value, INPUT.value, config=CONFIG.value, tokenizer=TOKENIZER.value)
   if converted.tokenizer_model is None:
     raise app.UsageError(f"{INPUT.value} has no tokenizer; pass --tokenizer=tokenizer.model")

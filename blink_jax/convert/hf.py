@@ -150,10 +150,13 @@ def _global_every(hf: dict[str, Any], num_layers: int) -> int | None:
 def _decoder_prefix(weights: dict[str, np.ndarray]) -> str:
   """'model.' for a causal LM, 'model.language_model.' etc. for a multimodal Gemma 3."""
   anchor = "layers.0.self_attn.q_proj.weight"
-  found = sorted(k[:-len(anchor)] for k in weights if k.endswith(anchor))
-  if not found:
-    raise ValueError(f"no {anchor!r} among the checkpoint's weights; not a Gemma decoder")
-  return min(found, key=len)
+  # A vision tower has layers too; the decoder is the one with the token embedding.
+  found = [p for k in weights if k.endswith(anchor)
+           if (p := k[:-len(anchor)]) + "embed_tokens.weight" in weights]
+  if len(found) != 1:
+    raise ValueError(f"expected one decoder (prefix of {anchor!r} with embed_tokens.weight) "
+                     f"among the checkpoint's weights, found {found}")
+  return found[0]
 
 
 # safetensors' numpy backend cannot hand out bfloat16 tensors (numpy has no bfloat16), so the

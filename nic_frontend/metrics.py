@@ -1,0 +1,124 @@
+"""Prometheus metrics of a frontend worker, and the GPU's counters from the mailbox header.
+
+Frontend metrics (per worker; summed over workers in prometheus-client's multiprocess mode when
+PROMETHEUS_MULTIPROC_DIR is set, which scripts/serve.py does for several workers):
+  blink_frontend_time_to_first_token_seconds, blink_frontend_time_per_output_token_seconds,
+  blink_frontend_e2e_request_latency_seconds (histograms), blink_frontend_requests_total
+  {endpoint, status}, blink_frontend_{prompt,generation}_tokens_total, blink_frontend_slots
+  _{in_use,total}{worker} and the ring occupancy ratio, blink_frontend_output_ring_fill_ratio.
+Engine metrics, read from the mailbox header at scrape time (published by the GPU):
+  blink_engine_state, blink_gpu_<counter>_total for the monotonic counters and blink_gpu_<gauge>
+  for pages_in_use, pages_total, running, waiting, last_step_tokens.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
+                               Histogram, generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+GPU_COUNTERS = ("loop_iterations", "steps", "tokens_generated", "prompt_tokens",
+                "requests_admitted", "requests_finished", "requests_errored",
+                "requests_cancelled", "preemptions")
+GPU_GAUGES = ("pages_in_use", "pages_total", "running", "waiting", "last_step_tokens")
+
+_TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+                 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                50.0, 60.0, 120.0, 240.0, 480.0)
+_FILL_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+
+
+class HeaderCollector:
+  """Yields the engine's state and the GPU-published counters of the latest header snapshot."""
+
+  def __init__(self, source: Callable[[], dict | None]):
+    self._source = source
+
+  def describe(self):
+    return []
+
+  def collect(self):
+    h = self._source()
+    state = GaugeMetricFamily("blink_engine_state",
+                              "Engine state from the mailbox header: 0 starting, 1 ready, "
+                              "2 stopped, -1 unreachable")
+    state.add_metric([], -1 if h is None else h["engine_state"])
+    yield state
+    if h is None:
+      return
+    for name in GPU_COUNTERS:
+      c = CounterMetricFamily(f"blink_gpu_{name}", f"GPU-published counter {name}")
+      c.add_metric([], h[name])
+      yield c
+    for name in GPU_GAUGES:
+      g = GaugeMetricFamily(f"blink_gpu_{name}", f"GPU-published gauge {name}")
+      g.add_metric([], h[name])
+      yield g
+
+
+class FrontendMetrics:
+  """The metrics of one frontend worker; `render()` is the /metrics body."""
+
+  def __init__(self, worker: int = 0, header_source: Callable[[], dict | None] | None = None,
+               multiprocess_dir: str | None = None):
+    self.worker = str(worker)
+    mp_dir = multiprocess_dir if multiprocess_dir is not None else os.environ.get(
+        "PROMETHEUS_MULTIPROC_DIR")
+    self.multiprocess = bool(mp_dir)
+    if self.multiprocess:
+      from prometheus_client import multiprocess
+      own = None  # values live in the directory's files; exposition merges every worker's
+      self.registry = CollectorRegistry()
+      multiprocess.MultiProcessCollector(self.registry, path=mp_dir)
+      gauge_kw = {"multiprocess_mode": "livesum"}
+    else:
+      own = self.registry = CollectorRegistry()
+      gauge_kw = {}
+    if header_source is not None:
+      self.registry.register(HeaderCollector(header_source))
+    self.ttft = Histogram("blink_frontend_time_to_first_token_seconds",
+                          "Time from request arrival to its first output token",
+                          buckets=_TTFT_BUCKETS, registry=own)
+    self.tpot = Histogram("blink_frontend_time_per_output_token_seconds",
+                          "Mean time between output tokens of a request",
+                          buckets=_TPOT_BUCKETS, registry=own)
+    self.e2e = Histogram("blink_frontend_e2e_request_latency_seconds",
+                         "Time from request arrival to its last byte", buckets=_E2E_BUCKETS,
+                         registry=own)
+    self.requests = Counter("blink_frontend_requests", "HTTP requests by endpoint and status",
+                            ["endpoint", "status"], registry=own)
+    self.prompt_tokens = Counter("blink_frontend_prompt_tokens", "Prompt tokens submitted",
+                                 registry=own)
+    self.generation_tokens = Counter("blink_frontend_generation_tokens",
+                                     "Completion tokens returned", registry=own)
+    self.cancelled = Counter("blink_frontend_cancelled_requests",
+                             "Requests cancelled on the device by the frontend (client "
+                             "disconnect, stop string, shutdown)", ["reason"], registry=own)
+    self.slots_in_use = Gauge("blink_frontend_slots_in_use",
+                              "Mailbox slots of this worker holding a request", ["worker"],
+                              registry=own, **gauge_kw)
+    self.slots_total = Gauge("blink_frontend_slots_total", "Mailbox slots of this worker",
+                             ["worker"], registry=own, **gauge_kw)
+    self.ring_occupancy = Gauge("blink_frontend_ring_occupancy_ratio",
+                                "Fraction of this worker's slot ring in use", ["worker"],
+                                registry=own, **({"multiprocess_mode": "max"}
+                                                 if self.multiprocess else {}))
+    self.output_fill = Histogram("blink_frontend_output_ring_fill_ratio",
+                                 "Fill of a slot's output ring when the frontend read it",
+                                 buckets=_FILL_BUCKETS, registry=own)
+
+  def set_slots(self, in_use: int, total: int) -> None:
+    self.slots_in_use.labels(self.worker).set(in_use)
+    self.slots_total.labels(self.worker).set(total)
+    self.ring_occupancy.labels(self.worker).set(in_use / total if total else 0.0)
+
+  def request_done(self, endpoint: str, status: int) -> None:
+    self.requests.labels(endpoint, str(status)).inc()
+
+  def render(self) -> tuple[bytes, str]:
+    return generate_latest(self.registry), CONTENT_TYPE_LATEST

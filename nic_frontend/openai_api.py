@@ -1,0 +1,505 @@
+"""OpenAI API schema: request validation into an internal request, and response builders.
+
+Validation is strict on the fields we implement (a wrong type or an out-of-range value is a 400
+naming the field, in OpenAI's error schema) and explicit about the ones we do not: a field that
+would change the output (penalties, logit_bias, n > 1, echo, tools, ...) is rejected with a 400
+instead of being silently ignored. Unknown fields are ignored, as vLLM does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+import uuid
+from typing import Any, Sequence
+
+from blink_jax import mailbox as M
+from blink_jax import protocol as P
+
+from nic_frontend.streaming import token_info
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 512
+MAX_CHAT_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+MAX_PROMPTS = 64
+MAX_SEED = (1 << 64) - 1
+
+
+class ApiError(Exception):
+  """An error answered in OpenAI's schema: {"error": {message, type, param, code}}."""
+
+  def __init__(self, status: int, message: str, *, param: str | None = None,
+               type: str | None = None, code: str | int | None = None,
+               headers: dict[str, str] | None = None):
+    super().__init__(message)
+    self.status, self.message, self.param = status, message, param
+    self.type = type or _default_type(status)
+    self.code = code
+    self.headers = headers or {}
+
+  def body(self) -> dict:
+    return error_body(self.message, self.type, self.param, self.code)
+
+
+def _default_type(status: int) -> str:
+  if status == 401:
+    return "authentication_error"
+  if status == 429:
+    return "rate_limit_error"
+  if status >= 500:
+    return "server_error" if status != 503 else "service_unavailable"
+  return "invalid_request_error"
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict:
+  return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad(param: str | None, message: str, code: str = "invalid_value") -> ApiError:
+  return ApiError(400, message, param=param, code=code)
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """What the engine behind this frontend accepts (from the mailbox header)."""
+  model_names: tuple[str, ...]
+  vocab_size: int
+  max_context: int
+  max_prompt: int          # a slot's prompt capacity
+  max_top_logprobs: int    # top alternatives the device stores per token
+
+
+@dataclasses.dataclass
+class GenRequest:
+  """A validated request: one or more prompts (token ids) and the sampling of each."""
+  kind: str                      # "completion" | "chat"
+  model: str
+  prompts: list[list[int]]
+  max_tokens: list[int]          # per prompt
+  temperature: float
+  top_p: float
+  top_k: int
+  seed: int
+  seed_given: bool
+  stop: list[str]
+  stop_token_ids: list[int]
+  ignore_eos: bool
+  logprobs: bool                 # return logprobs at all
+  top_logprobs: int              # alternatives per token
+  stream: bool
+  include_usage: bool
+  user: str | None = None
+
+  def slot_request(self, i: int, request_id: int = 0) -> M.Request:
+    return M.Request(prompt=self.prompts[i], max_tokens=self.max_tokens[i],
+                     temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                     seed=self.seed, stop_ids=tuple(self.stop_token_ids),
+                     num_logprobs=self.top_logprobs if self.logprobs else 0,
+                     logprobs=self.logprobs, ignore_eos=self.ignore_eos,
+                     request_id=request_id)
+
+
+# ---- field readers --------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _type_name(v: Any) -> str:
+  if v is None:
+    return "null"
+  if isinstance(v, bool):
+    return "boolean"
+  if isinstance(v, int):
+    return "integer"
+  if isinstance(v, float):
+    return "number"
+  if isinstance(v, str):
+    return "string"
+  if isinstance(v, list):
+    return "array"
+  if isinstance(v, dict):
+    return "object"
+  return type(v).__name__
+
+
+def _int(body: dict, name: str, default=None, *, lo: int | None = None,
+         hi: int | None = None, allow_null: bool = True):
+  v = body.get(name, _MISSING)
+  if v is _MISSING or (v is None and allow_null):
+    return default
+  if isinstance(v, float) and v.is_integer() and not isinstance(v, bool):
+    v = int(v)
+  if isinstance(v, bool) or not isinstance(v, int):
+    raise bad(name, f"'{name}' must be an integer, got {_type_name(v)}", "invalid_type")
+  if lo is not None and v < lo:
+    raise bad(name, f"'{name}' must be >= {lo}, got {v}")
+  if hi is not None and v > hi:
+    raise bad(name, f"'{name}' must be <= {hi}, got {v}")
+  return v
+
+
+def _float(body: dict, name: str, default: float, *, lo: float | None = None,
+           hi: float | None = None, lo_open: bool = False) -> float:
+  v = body.get(name, _MISSING)
+  if v is _MISSING or v is None:
+    return default
+  if isinstance(v, bool) or not isinstance(v, (int, float)):
+    raise bad(name, f"'{name}' must be a number, got {_type_name(v)}", "invalid_type")
+  v = float(v)
+  if not math.isfinite(v):
+    raise bad(name, f"'{name}' must be finite, got {v}")
+  if lo is not None and (v <= lo if lo_open else v < lo):
+    raise bad(name, f"'{name}' must be {'>' if lo_open else '>='} {lo}, got {v}")
+  if hi is not None and v > hi:
+    raise bad(name, f"'{name}' must be <= {hi}, got {v}")
+  return v
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+  v = body.get(name, _MISSING)
+  if v is _MISSING or v is None:
+    return default
+  if not isinstance(v, bool):
+    raise bad(name, f"'{name}' must be a boolean, got {_type_name(v)}", "invalid_type")
+  return v
+
+
+def _unsupported(body: dict, name: str, default_ok) -> None:
+  """Rejects a known field we do not implement unless it has a no-op value."""
+  if name in body and not default_ok(body[name]):
+    raise bad(name, f"'{name}' is not supported by this server", "unsupported_parameter")
+
+
+_NOOP_FIELDS = {
+    "presence_penalty": lambda v: v is None or v == 0,
+    "frequency_penalty": lambda v: v is None or v == 0,
+    "repetition_penalty": lambda v: v is None or v == 1,
+    "logit_bias": lambda v: not v,
+    "best_of": lambda v: v is None or v == 1,
+    "echo": lambda v: v is None or v is False,
+    "suffix": lambda v: not v,
+    "tools": lambda v: not v,
+    "functions": lambda v: not v,
+    "tool_choice": lambda v: v is None or v == "none",
+    "function_call": lambda v: v is None or v == "none",
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "min_tokens": lambda v: v is None or v == 0,
+    "use_beam_search": lambda v: not v,
+    "prediction": lambda v: v is None,
+    "audio": lambda v: v is None,
+    "modalities": lambda v: v is None or v == ["text"],
+}
+
+
+# ---- common fields --------------------------------------------------------------------------
+
+def _model(body: dict, limits: Limits) -> str:
+  model = body.get("model", _MISSING)
+  if model is _MISSING or model is None:
+    return limits.model_names[0]
+  if not isinstance(model, str):
+    raise bad("model", f"'model' must be a string, got {_type_name(model)}", "invalid_type")
+  if model not in limits.model_names:
+    raise ApiError(404, f"The model `{model}` does not exist.", param="model",
+                   code="model_not_found")
+  return model
+
+
+def _stop(body: dict) -> list[str]:
+  v = body.get("stop")
+  if v is None:
+    return []
+  if isinstance(v, str):
+    v = [v]
+  if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+    raise bad("stop", "'stop' must be a string or an array of strings", "invalid_type")
+  if len(v) > MAX_STOP_STRINGS:
+    raise bad("stop", f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(v)}")
+  for s in v:
+    if not s:
+      raise bad("stop", "'stop' strings must not be empty")
+    if len(s) > MAX_STOP_STRING_CHARS:
+      raise bad("stop", f"'stop' strings may be at most {MAX_STOP_STRING_CHARS} characters")
+  return list(dict.fromkeys(v))
+
+
+def _token_list(v: Any, param: str, vocab: int) -> list[int]:
+  if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                        for t in v):
+    raise bad(param, f"'{param}' must be an array of token ids (integers)", "invalid_type")
+  for t in v:
+    if not 0 <= t < vocab:
+      raise bad(param, f"'{param}' holds token id {t}, outside the vocabulary [0, {vocab})")
+  return list(v)
+
+
+def _common(body: dict, limits: Limits, kind: str) -> dict:
+  if not isinstance(body, dict):
+    raise bad(None, "the request body must be a JSON object", "invalid_type")
+  for name, ok in _NOOP_FIELDS.items():
+    _unsupported(body, name, ok)
+  model = _model(body, limits)
+  n = _int(body, "n", 1)
+  if n < 1:
+    raise bad("n", f"'n' must be >= 1, got {n}")
+  if n > 1:
+    raise bad("n", "'n' > 1 is not supported by this server; send n separate requests",
+              "unsupported_parameter")
+  stream = _bool(body, "stream", False)
+  opts = body.get("stream_options")
+  include_usage = False
+  if opts is not None:
+    if not stream:
+      raise bad("stream_options",
+                "'stream_options' is only allowed when 'stream' is true")
+    if not isinstance(opts, dict):
+      raise bad("stream_options", "'stream_options' must be an object", "invalid_type")
+    include_usage = _bool(opts, "include_usage", False)
+  temperature = _float(body, "temperature", 1.0, lo=0.0, hi=2.0)
+  top_p = _float(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)
+  top_k = _int(body, "top_k", 0, lo=-1)
+  top_k = 0 if top_k == -1 else top_k
+  if top_k > limits.vocab_size:
+    top_k = 0  # larger than the vocabulary: no restriction
+  seed = _int(body, "seed", None, lo=-(1 << 63), hi=MAX_SEED)
+  seed_given = seed is not None
+  if seed is None:
+    seed = random.getrandbits(63)
+  stop = _stop(body)
+  stop_ids = body.get("stop_token_ids")
+  stop_ids = [] if stop_ids is None else _token_list(stop_ids, "stop_token_ids",
+                                                      limits.vocab_size)
+  stop_ids = list(dict.fromkeys(stop_ids))
+  if len(stop_ids) > P.MAX_STOP_IDS:
+    raise bad("stop_token_ids", f"'stop_token_ids' may hold at most {P.MAX_STOP_IDS} ids, "
+                                f"got {len(stop_ids)}")
+  ignore_eos = _bool(body, "ignore_eos", False)
+  user = body.get("user")
+  if user is not None and not isinstance(user, str):
+    raise bad("user", f"'user' must be a string, got {_type_name(user)}", "invalid_type")
+  max_tokens = _int(body, "max_tokens", None, lo=1)
+  mct = _int(body, "max_completion_tokens", None, lo=1)
+  if mct is not None:
+    max_tokens = mct
+  return dict(kind=kind, model=model, temperature=temperature, top_p=top_p, top_k=top_k,
+              seed=seed & MAX_SEED, seed_given=seed_given, stop=stop, stop_token_ids=stop_ids,
+              ignore_eos=ignore_eos, stream=stream, include_usage=include_usage, user=user,
+              max_tokens=max_tokens)
+
+
+def _max_tokens(prompts: list[list[int]], requested: int | None, default: int | None,
+                limits: Limits, prompt_param: str) -> list[int]:
+  out = []
+  for p in prompts:
+    n = len(p)
+    if n == 0:
+      raise bad(prompt_param, f"'{prompt_param}' is empty")
+    if n > limits.max_prompt or n >= limits.max_context:
+      cap = min(limits.max_prompt, limits.max_context - 1)
+      raise bad(prompt_param, f"This model's maximum prompt length is {cap} tokens "
+                              f"(context {limits.max_context}); the prompt has {n} tokens.",
+                "context_length_exceeded")
+    room = limits.max_context - n
+    if requested is None:
+      out.append(room if default is None else min(default, room))
+      continue
+    if requested > room:
+      raise bad("max_tokens", f"This model's maximum context length is {limits.max_context} "
+                              f"tokens. However, you requested {n + requested} tokens ({n} in "
+                              f"the prompt, {requested} for the completion). Please reduce the "
+                              f"prompt or max_tokens.", "context_length_exceeded")
+    out.append(requested)
+  return out
+
+
+# ---- /v1/completions ------------------------------------------------------------------------
+
+def parse_completion(body: Any, limits: Limits, tokenizer) -> GenRequest:
+  c = _common(body, limits, "completion")
+  if "prompt" not in body or body["prompt"] is None:
+    raise bad("prompt", "'prompt' is required", "missing_required_parameter")
+  prompts = _prompts(body["prompt"], limits, tokenizer)
+  lp = body.get("logprobs")
+  if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int)):
+    raise bad("logprobs", f"'logprobs' must be an integer, got {_type_name(lp)}",
+              "invalid_type")
+  top = 0
+  if lp is not None:
+    cap = min(MAX_COMPLETION_LOGPROBS, limits.max_top_logprobs)
+    if not 0 <= lp <= cap:
+      raise bad("logprobs", f"'logprobs' must be between 0 and {cap}, got {lp}")
+    top = lp
+  c["max_tokens"] = _max_tokens(prompts, c["max_tokens"], 16, limits, "prompt")
+  return GenRequest(prompts=prompts, logprobs=lp is not None, top_logprobs=top, **c)
+
+
+def _prompts(v: Any, limits: Limits, tokenizer) -> list[list[int]]:
+  def encode(text: str) -> list[int]:
+    return tokenizer.encode(text, add_bos=True)
+
+  if isinstance(v, str):
+    return [encode(v)]
+  if not isinstance(v, list):
+    raise bad("prompt", "'prompt' must be a string, an array of strings, an array of token ids "
+                        f"or an array of token-id arrays, got {_type_name(v)}", "invalid_type")
+  if not v:
+    raise bad("prompt", "'prompt' must not be an empty array")
+  if all(isinstance(x, str) for x in v):
+    out = [encode(x) for x in v]
+  elif all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+    out = [_token_list(v, "prompt", limits.vocab_size)]
+  elif all(isinstance(x, list) for x in v):
+    out = [_token_list(x, "prompt", limits.vocab_size) for x in v]
+  else:
+    raise bad("prompt", "'prompt' must be a string, an array of strings, an array of token ids "
+                        "or an array of token-id arrays (not a mix)", "invalid_type")
+  if len(out) > MAX_PROMPTS:
+    raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(out)}")
+  return out
+
+
+# ---- /v1/chat/completions -------------------------------------------------------------------
+
+def parse_chat(body: Any, limits: Limits, tokenizer) -> GenRequest:
+  c = _common(body, limits, "chat")
+  msgs = body.get("messages")
+  if msgs is None:
+    raise bad("messages", "'messages' is required", "missing_required_parameter")
+  if not isinstance(msgs, list) or not msgs:
+    raise bad("messages", "'messages' must be a non-empty array of messages", "invalid_type")
+  norm = []
+  for i, m in enumerate(msgs):
+    if not isinstance(m, dict):
+      raise bad("messages", f"messages[{i}] must be an object", "invalid_type")
+    role = m.get("role")
+    if not isinstance(role, str):
+      raise bad("messages", f"messages[{i}].role must be a string", "invalid_type")
+    content = m.get("content")
+    if not isinstance(content, (str, list)):
+      raise bad("messages", f"messages[{i}].content must be a string or an array of text "
+                            "parts", "invalid_type")
+    if isinstance(content, list):
+      for part in content:
+        if not (isinstance(part, dict) and part.get("type") == "text"
+                and isinstance(part.get("text"), str)):
+          raise bad("messages", f"messages[{i}].content: only text parts "
+                                "({\"type\": \"text\", \"text\": ...}) are supported")
+    norm.append({"role": "system" if role == "developer" else role, "content": content})
+  try:
+    ids = tokenizer.apply_chat_template(norm, add_generation_prompt=True)
+  except ValueError as e:
+    raise bad("messages", f"'messages': {e}") from None
+  lp = _bool(body, "logprobs", False)
+  top = _int(body, "top_logprobs", None, lo=0, hi=MAX_CHAT_TOP_LOGPROBS)
+  if top is not None and not lp:
+    raise bad("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
+  if top is not None and top > limits.max_top_logprobs:
+    raise bad("top_logprobs", f"'top_logprobs' must be <= {limits.max_top_logprobs} on this "
+                              f"server, got {top}")
+  c["max_tokens"] = _max_tokens([ids], c["max_tokens"], None, limits, "messages")
+  return GenRequest(prompts=[ids], logprobs=lp, top_logprobs=top or 0, **c)
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+def new_id(kind: str) -> str:
+  return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+  return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+          "total_tokens": prompt_tokens + completion_tokens}
+
+
+class LogprobsBuilder:
+  """Accumulates the logprobs of one choice in the completions or the chat format."""
+
+  def __init__(self, kind: str, tokenizer, top_n: int):
+    self.kind, self.tok, self.top_n = kind, tokenizer, top_n
+    self.tokens: list[str] = []
+    self.token_logprobs: list[float] = []
+    self.top_logprobs: list[dict] = []
+    self.text_offset: list[int] = []
+    self.content: list[dict] = []
+    self._offset = 0
+
+  def add(self, tokens: Sequence[int], logprobs: Sequence[float], top: Sequence) -> dict | None:
+    """Adds entries; returns the logprobs object of just these (for a stream chunk)."""
+    if not tokens:
+      return None
+    start_c, start_t = len(self.content), len(self.tokens)
+    for i, t in enumerate(tokens):
+      text, raw = token_info(self.tok, t)
+      lp = float(logprobs[i]) if i < len(logprobs) else 0.0
+      alts = list(top[i])[:self.top_n] if i < len(top) else []
+      if self.kind == "chat":
+        self.content.append({
+            "token": text, "logprob": lp, "bytes": raw,
+            "top_logprobs": [{"token": token_info(self.tok, a)[0], "logprob": float(b),
+                              "bytes": token_info(self.tok, a)[1]} for a, b in alts]})
+      else:
+        self.tokens.append(text)
+        self.token_logprobs.append(lp)
+        self.top_logprobs.append({token_info(self.tok, a)[0]: float(b) for a, b in alts})
+        self.text_offset.append(self._offset)
+        self._offset += len(text)
+    if self.kind == "chat":
+      return {"content": self.content[start_c:], "refusal": None}
+    return {"tokens": self.tokens[start_t:], "token_logprobs": self.token_logprobs[start_t:],
+            "top_logprobs": self.top_logprobs[start_t:],
+            "text_offset": self.text_offset[start_t:]}
+
+  def result(self) -> dict:
+    if self.kind == "chat":
+      return {"content": self.content, "refusal": None}
+    return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}
+
+
+def completion_response(rid: str, created: int, model: str, choices: list[dict],
+                        usage_: dict) -> dict:
+  return {"id": rid, "object": "text_completion", "created": created, "model": model,
+          "system_fingerprint": None, "choices": choices, "usage": usage_}
+
+
+def completion_choice(index: int, text: str, logprobs: dict | None,
+                      finish_reason: str | None) -> dict:
+  return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_response(rid: str, created: int, model: str, choices: list[dict], usage_: dict) -> dict:
+  return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+          "system_fingerprint": None, "choices": choices, "usage": usage_}
+
+
+def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+  return {"index": index,
+          "message": {"role": "assistant", "content": text, "refusal": None},
+          "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chunk(kind: str, rid: str, created: int, model: str, choices: list[dict],
+          include_usage: bool, usage_: dict | None = None) -> dict:
+  out = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+         "created": created, "model": model, "system_fingerprint": None, "choices": choices}
+  if include_usage:
+    out["usage"] = usage_
+  return out
+
+
+def chat_delta_choice(index: int, delta: dict, logprobs: dict | None,
+                      finish_reason: str | None) -> dict:
+  return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def models_list(names: Sequence[str], max_context: int, created: int | None = None) -> dict:
+  created = int(time.time()) if created is None else created
+  return {"object": "list", "data": [model_card(n, max_context, created) for n in names]}
+
+
+def model_card(name: str, max_context: int, created: int) -> dict:
+  return {"id": name, "object": "model", "created": created, "owned_by": "blink-jax",
+          "root": name, "parent": None, "max_model_len": max_context}

@@ -1,0 +1,105 @@
+"""Shared pieces of the benchmark scripts: result files, statistics, tables, mailboxes."""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import mmap
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def host_buffer(nbytes: int) -> np.ndarray:
+  size = (nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+  return np.frombuffer(mmap.mmap(-1, size), np.uint8)
+
+
+def device_mailbox(region, nbytes: int):
+  """(address the device uses, release function): host-mapped on a GPU, plain on CPU."""
+  import jax
+
+  from blink_jax import ffi as F
+  if jax.devices()[0].platform != "gpu":
+    return region.address, lambda: None
+  cuda = F.cuda_library()
+  dev = ctypes.c_uint64()
+  rc = cuda.blink_cuda_register_host(region.address, nbytes, ctypes.byref(dev))
+  if rc:
+    raise RuntimeError(cuda.blink_cuda_error_string(rc).decode())
+  return dev.value, lambda: cuda.blink_cuda_unregister_host(region.address)
+
+
+def stats(values, name: str) -> dict:
+  v = np.asarray(values, float)
+  return {f"{name}_median": float(np.median(v)), f"{name}_min": float(v.min()),
+          f"{name}_max": float(v.max()), f"{name}_all": [float(x) for x in v]}
+
+
+def percentile_stats(values, name: str) -> dict:
+  v = np.asarray(values, float)
+  if v.size == 0:
+    return {}
+  return {f"{name}_p50": float(np.percentile(v, 50)), f"{name}_p90": float(np.percentile(v, 90)),
+          f"{name}_p99": float(np.percentile(v, 99)), f"{name}_mean": float(v.mean()),
+          f"{name}_n": int(v.size)}
+
+
+def while_report(compiled) -> dict:
+  from blink_jax.executor import device_while_report
+  return device_while_report(compiled)
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+  def fmt(x):
+    if isinstance(x, float):
+      return f"{x:.3f}"
+    if isinstance(x, list):
+      return "[" + ", ".join(fmt(y) for y in x[:4]) + "]"
+    return str(x)
+  cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+  widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
+  lines = [" | ".join(c.ljust(w) for c, w in zip(cols, widths)),
+           "-+-".join("-" * w for w in widths)]
+  lines += [" | ".join(x.ljust(w) for x, w in zip(r, widths)) for r in cells]
+  return "\n".join(lines)
+
+
+def describe_device() -> str:
+  import jax
+  d = jax.devices()[0]
+  return f"{d.platform}:{getattr(d, 'device_kind', '')} ({len(jax.devices())} devices)"
+
+
+def git_revision() -> str:
+  try:
+    rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    return rev + ("-dirty" if dirty else "")
+  except Exception:
+    return os.environ.get("BLINK_GIT_REVISION", "unknown")
+
+
+def write_result(path: str, name: str, rows, extra: dict | None = None) -> pathlib.Path:
+  import jax
+  out = pathlib.Path(path)
+  if not out.is_absolute():
+    out = ROOT / out
+  out.parent.mkdir(parents=True, exist_ok=True)
+  doc = {"benchmark": name, "device": describe_device(),
+         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+         "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+         "git_revision": git_revision(), "jax": jax.__version__, "python": platform.python_version(),
+         "host_cpus": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+         "results": rows, **(extra or {})}
+  out.write_text(json.dumps(doc, indent=2))
+  print(f"wrote {out}")
+  return out

@@ -1,0 +1,145 @@
+"""Cost of blink_schedule + blink_commit per step, inside the device loop, with no model.
+
+Keeps `lanes` requests decoding (one token each per step) over a mailbox of `slots` slots and
+measures the loop's per-iteration time: schedule (doorbell check, cancel/consumed reads of
+every running request, decode rows, page growth) + a stub sampler + commit (ring writes,
+stop checks). A consumer thread keeps every ring drained, as a frontend would.
+
+  python scripts/bench_sched.py --lanes 1,64,256 --slots 4096 --seconds 2
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from jax import lax
+
+from blink_jax import batch as B
+from blink_jax import ffi as F
+from blink_jax import mailbox as M
+from blink_jax import protocol as P
+from blink_jax import xla_flags
+from scripts import bench_common as C
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("lanes", ["1", "64", "256"], "running requests (= max_seqs)")
+flags.DEFINE_integer("slots", 4096, "mailbox slots")
+flags.DEFINE_float("seconds", 2.0, "measurement window per configuration")
+flags.DEFINE_integer("repeats", 3, "windows per configuration (median and spread reported)")
+flags.DEFINE_string("out", "bench/results/sched_step.json", "JSON result file")
+
+
+def _loop(cfg: F.SchedConfig):
+  from blink_jax.executor import commit_call, schedule_call
+
+  def body(c):
+    state, hist, pt, _ = c
+    state, hist, pt, words = schedule_call(cfg, state, hist, pt)
+    # Stub sampler: token = (position * 7) % vocab for each sample (no EOS: ignore_eos).
+    pos = words[B.HEADER_WORDS + 3 * cfg.token_budget + 7 * cfg.max_seqs:][:cfg.max_seqs]
+    tok = (pos * 7 + 3) % cfg.vocab_size
+    z = jnp.zeros((cfg.max_seqs,), jnp.float32)
+    state, hist = commit_call(cfg, state, hist, pt, words, tok.astype(jnp.int32), z,
+                              jnp.zeros((cfg.max_seqs, 0), jnp.int32),
+                              jnp.zeros((cfg.max_seqs, 0), jnp.float32))
+    return state, hist, pt, words[B.SHUTDOWN]
+
+  return jax.jit(lambda s, h, p: lax.while_loop(lambda c: c[3] == 0, body,
+                                                (s, h, p, jnp.zeros((), jnp.int32))),
+                 donate_argnums=(0, 1, 2))
+
+
+REQUEST = M.Request(prompt=[5, 6, 7, 8], max_tokens=1 << 30, ignore_eos=True)
+
+
+def _drain(client: M.MailboxClient, region: M.LocalRegion, geo: P.Geometry,
+           stop: threading.Event):
+  """A fast frontend: marks every output entry consumed (vectorised over all slots) and
+  resubmits requests that reached the end of their context, keeping every lane busy."""
+  buf, base = region.buf, P.HEADER_BYTES
+  field = lambda name, off: np.ndarray((geo.num_slots,), "<u4", buf, base + off,
+                                       (geo.slot_bytes,))
+  counts = field("count", geo.request_bytes + P.OUTPUT_DTYPE.fields["count"][1])
+  finished = field("finished", geo.request_bytes + P.OUTPUT_DTYPE.fields["finished_seq"][1])
+  seqs = field("seq", 0)
+  consumed = field("consumed", 8)
+  while not stop.is_set():
+    consumed[:] = counts
+    for slot in np.flatnonzero((finished == seqs) & (seqs > 0)):
+      client.release(int(slot))
+      client.submit(REQUEST)
+    time.sleep(50e-6)
+
+
+def measure(lanes: int, slots: int, seconds: float, repeats: int) -> dict:
+  ctx, ps = 1 << 16, 64  # long contexts: requests rarely finish (the drainer resubmits)
+  geo = P.Geometry(slots, 16, 64, 0)
+  engine_region = M.LocalRegion(C.host_buffer(geo.total_bytes))
+  M.init_header(engine_region, geo, vocab_size=32000, max_context=ctx, num_workers=1, eos_id=1)
+  addr, release = C.device_mailbox(engine_region, geo.total_bytes)
+  budget = max(lanes, 8)
+  cfg = F.SchedConfig.build(
+      mailbox=addr, num_slots=slots, max_prompt=16, ring_capacity=64, max_top_logprobs=0,
+      vocab_size=32000, max_seqs=lanes, max_context=ctx, page_size=ps,
+      num_pages=lanes * (ctx // ps), buckets=(budget,), eos_ids=(), idle_poll_us=0)
+  client = M.MailboxClient(engine_region)
+  for i in range(lanes):
+    client.submit(REQUEST)
+  F.register_targets()
+  loop = _loop(cfg)
+  dev = jax.devices()[0]
+  state = jax.device_put(F.initial_state(cfg), dev)
+  hist = jax.device_put(np.zeros((lanes, ctx), np.int32), dev)
+  pt = jax.device_put(np.zeros((lanes, cfg.max_pages_per_seq), np.int32), dev)
+  compiled = loop.lower(state, hist, pt).compile()
+  stop = threading.Event()
+  drainer = threading.Thread(target=_drain, args=(client, engine_region, geo, stop), daemon=True)
+  drainer.start()
+  result = {}
+  done = threading.Event()
+  out = {}
+
+  def run():
+    out["carry"] = jax.block_until_ready(compiled(state, hist, pt))
+    done.set()
+
+  th = threading.Thread(target=run, daemon=True)
+  th.start()
+  time.sleep(0.5)  # admission and warm-up
+  per_iter = []
+  for _ in range(repeats):
+    h0, t0 = M.read_header(engine_region), time.perf_counter()
+    time.sleep(seconds)
+    h1, t1 = M.read_header(engine_region), time.perf_counter()
+    it = int(h1["loop_iterations"]) - int(h0["loop_iterations"])
+    toks = int(h1["tokens_generated"]) - int(h0["tokens_generated"])
+    per_iter.append((t1 - t0) / max(it, 1) * 1e6)
+    result.setdefault("tokens_per_iteration", []).append(toks / max(it, 1))
+  engine_region.write(P.HEADER_DTYPE.fields["shutdown"][1], (1).to_bytes(4, "little"))
+  th.join(60)
+  stop.set()
+  release()
+  result.update(C.stats(per_iter, "us_per_step"))
+  result.update(lanes=lanes, slots=slots, running=int(h1["running"]),
+                errored=int(h1["requests_errored"]), admitted=int(h1["requests_admitted"]),
+                finished=int(h1["requests_finished"]), cancelled=int(h1["requests_cancelled"]),
+                device_while=C.while_report(compiled))
+  return result
+
+
+def main(argv):
+  del argv
+  xla_flags.configure_command_buffers()
+  rows = [measure(int(n), FLAGS.slots, FLAGS.seconds, FLAGS.repeats) for n in FLAGS.lanes]
+  print(C.table(rows, ["lanes", "slots", "running", "us_per_step_median", "us_per_step_min",
+                       "us_per_step_max", "tokens_per_iteration"]))
+  C.write_result(FLAGS.out, "sched_step", rows)
+
+
+if __name__ == "__main__":
+  app.run(main)

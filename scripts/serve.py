@@ -1,0 +1,299 @@
+"""Serves a model over an OpenAI-compatible HTTP API: the engine plus frontend worker processes.
+
+  python scripts/serve.py --ckpt gemma [--port 8000] [--workers 2] [--transport shm|tcp]
+
+The engine (blink_jax.engine.Engine) loads and compiles the model and launches the persistent
+device loop; it creates the mailbox in POSIX shared memory. The frontend runs as separate
+processes (`python -m nic_frontend.worker`, no JAX), one per --workers, all on one port through
+SO_REUSEPORT; worker w owns its own slot range and doorbell. With --transport tcp the workers
+reach the mailbox through a relay this process runs (what a frontend on another host, without
+RDMA, would use); with shm they map it directly. After start-up this process only supervises.
+
+SIGINT / SIGTERM: the workers stop accepting, let requests in flight finish for up to
+--grace_s seconds and cancel the rest on the device; then the device loop is shut down and the
+shared memory released.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from absl import app, flags
+
+REPO = Path(__file__).resolve().parents[1]
+log = logging.getLogger("blink.serve")
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("ckpt", None, "Checkpoint name from checkpoints/catalog.json, or a path.")
+flags.DEFINE_string("dtype", "bfloat16", "Compute dtype of the weights.")
+flags.DEFINE_string("host", "127.0.0.1", "Address the HTTP server binds (0.0.0.0: all).")
+flags.DEFINE_integer("port", 8000, "HTTP port, shared by every worker.")
+flags.DEFINE_enum("transport", "shm", ["shm", "tcp"],
+                  "How the frontend workers reach the mailbox.")
+flags.DEFINE_integer("workers", 1, "Frontend worker processes.")
+flags.DEFINE_integer("max_seqs", None, "Sequences decoded together (engine default if unset).")
+flags.DEFINE_integer("kv_pages", None, "KV cache pages (engine default if unset).")
+flags.DEFINE_string("api_key", None, "Require 'Authorization: Bearer KEY' on /v1 "
+                    "(default: $BLINK_API_KEY, none if unset).")
+flags.DEFINE_enum("mode", "persistent", ["persistent", "host"],
+                  "persistent: the serving loop runs on the device; host: the host drives "
+                  "each step (for comparison).")
+flags.DEFINE_string("shm_name", None, "Name of the mailbox's shared memory (default: random).")
+flags.DEFINE_string("relay_host", "127.0.0.1", "Address of the tcp relay (--transport tcp).")
+flags.DEFINE_integer("relay_port", 0, "Port of the tcp relay (0: any free port).")
+flags.DEFINE_float("grace_s", 30.0, "On shutdown, how long requests in flight may take.")
+flags.DEFINE_integer("max_body_bytes", 16 << 20, "Largest accepted request body.")
+flags.DEFINE_multi_string("served_model_name", [], "Additional model names to accept.")
+
+
+@dataclasses.dataclass
+class ServeOptions:
+  host: str = "127.0.0.1"
+  port: int = 8000
+  transport: str = "shm"
+  workers: int = 1
+  api_key: str | None = None
+  grace_s: float = 30.0
+  relay_host: str = "127.0.0.1"
+  relay_port: int = 0
+  max_body_bytes: int = 16 << 20
+  served_model_names: tuple[str, ...] = ()
+  run_dir: str | None = None      # ready files, metrics of several workers (default: temp)
+  start_timeout_s: float = 120.0
+
+
+class Serving:
+  """The frontend side of a running engine: the relay (tcp) and the worker processes.
+
+  `engine` provides region (with .buf), shm_name, tokenizer_path, model_name, max_context,
+  stats() and shutdown() (blink_jax.engine.Engine, or tests' FakeEngine).
+  """
+
+  def __init__(self, engine, opts: ServeOptions):
+    if opts.workers < 1:
+      raise ValueError("--workers must be at least 1")
+    self.engine, self.opts = engine, opts
+    self.procs: list[subprocess.Popen] = []
+    self.relay = None
+    self._relay_token = secrets.token_urlsafe(32)
+    self._own_run_dir = opts.run_dir is None
+    self.run_dir = Path(opts.run_dir or tempfile.mkdtemp(prefix="blink-serve-"))
+    self._metrics_dir: Path | None = None
+    self._stopping = False
+    self._lock = threading.Lock()
+
+  # ---- start ----
+  def start(self) -> None:
+    o = self.opts
+    if o.transport == "tcp":
+      from nic_frontend.transports.tcp import TcpRelayServer
+      self.relay = TcpRelayServer(self.engine.region, token=self._relay_token,
+                                  host=o.relay_host, port=o.relay_port).start()
+      log.info("tcp relay for the mailbox on %s", self.relay.address)
+    elif o.transport != "shm":
+      raise ValueError(f"unknown transport {o.transport!r}")
+    if o.workers > 1:
+      self._metrics_dir = self.run_dir / "prometheus"
+      shutil.rmtree(self._metrics_dir, ignore_errors=True)
+      self._metrics_dir.mkdir(parents=True)
+    self.procs = [self._spawn(w) for w in range(o.workers)]
+    deadline = time.monotonic() + o.start_timeout_s
+    for w in range(o.workers):
+      self._wait_ready(w, deadline)
+    log.info("serving %s on http://%s:%d/v1 with %d frontend worker(s) (transport %s)",
+             self.engine.model_name, o.host, o.port, o.workers, o.transport)
+
+  def _ready_file(self, w: int) -> Path:
+    return self.run_dir / f"worker{w}.ready.json"
+
+  def _spawn(self, w: int) -> subprocess.Popen:
+    o = self.opts
+    ready = self._ready_file(w)
+    ready.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "nic_frontend.worker", "--transport", o.transport,
+           "--tokenizer", str(self.engine.tokenizer_path), "--model-name",
+           self.engine.model_name, "--worker", str(w), "--num-workers", str(o.workers),
+           "--host", o.host, "--port", str(o.port), "--grace-s", str(o.grace_s),
+           "--max-body-bytes", str(o.max_body_bytes), "--ready-file", str(ready)]
+    if o.workers > 1:
+      cmd.append("--reuse-port")
+    for name in o.served_model_names:
+      cmd += ["--served-model-name", name]
+    env = dict(os.environ)
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    if o.transport == "shm":
+      cmd += ["--shm-name", self.engine.shm_name]
+    else:
+      cmd += ["--relay", self.relay.address]
+      env["BLINK_RELAY_TOKEN"] = self._relay_token
+    if o.api_key:
+      env["BLINK_API_KEY"] = o.api_key
+    else:
+      env.pop("BLINK_API_KEY", None)
+    if self._metrics_dir is not None:
+      env["PROMETHEUS_MULTIPROC_DIR"] = str(self._metrics_dir)
+    # The workers must not inherit our signal dispositions' effects on the terminal group:
+    # they get SIGTERM from us (start_new_session keeps a Ctrl-C aimed at us from reaching them
+    # before we decide how to stop them).
+    return subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True)
+
+  def _wait_ready(self, w: int, deadline: float) -> None:
+    ready = self._ready_file(w)
+    while not ready.exists():
+      if self.procs[w].poll() is not None:
+        raise RuntimeError(f"frontend worker {w} exited with {self.procs[w].returncode} "
+                           "during start-up")
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"frontend worker {w} did not start in {self.opts.start_timeout_s}s")
+      time.sleep(0.02)
+    info = json.loads(ready.read_text())
+    log.info("frontend worker %d (pid %d) ready on port %d", w, info["pid"], info["port"])
+
+  # ---- run ----
+  def supervise(self, stop: threading.Event, poll_s: float = 1.0) -> None:
+    """Restarts a worker that died on its own, until `stop` is set."""
+    while not stop.wait(poll_s):
+      with self._lock:
+        if self._stopping:
+          return
+        for w, p in enumerate(self.procs):
+          if p.poll() is not None:
+            log.error("frontend worker %d exited with %s; restarting it", w, p.returncode)
+            if self._metrics_dir is not None:
+              from prometheus_client import multiprocess
+              multiprocess.mark_process_dead(p.pid, str(self._metrics_dir))
+            self.procs[w] = self._spawn(w)
+
+  # ---- stop ----
+  def stop(self) -> None:
+    """Workers drain and exit, then the engine shuts down and the shared memory goes."""
+    with self._lock:
+      if self._stopping:
+        return
+      self._stopping = True
+    for p in self.procs:
+      if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + self.opts.grace_s + 15
+    for w, p in enumerate(self.procs):
+      try:
+        p.wait(max(0.1, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        log.error("frontend worker %d did not stop; killing it", w)
+        p.kill()
+        p.wait()
+    if self.relay is not None:
+      self.relay.stop()
+    try:
+      stats = self.engine.stats()
+      log.info("engine stats at shutdown: %s", stats)
+    except Exception:  # the stats are informational
+      pass
+    self.engine.shutdown()
+    region = getattr(self.engine, "region", None)
+    if region is not None and hasattr(region, "unlink"):
+      region.unlink()  # idempotent; the engine may have done it already
+    if self._own_run_dir:
+      shutil.rmtree(self.run_dir, ignore_errors=True)
+    elif self._metrics_dir is not None:
+      shutil.rmtree(self._metrics_dir, ignore_errors=True)
+    log.info("stopped")
+
+
+def _describe(engine) -> str:
+  devices = getattr(engine, "devices", None)
+  if devices is None:
+    import jax  # the engine host has JAX; only the frontend must not import it
+    devices = jax.devices()
+  loop = getattr(engine, "loop_on_device", None)
+  if loop is None:
+    try:
+      st = engine.stats()
+      loop = st.get("loop_on_device", st.get("device_loop"))
+    except Exception:
+      loop = None
+  dtype = getattr(engine, "dtype", None) or FLAGS.dtype
+  return (f"model {engine.model_name}, dtype {dtype}, devices {list(devices)}, "
+          f"max context {engine.max_context}, mailbox shm {engine.shm_name}, transport "
+          f"{FLAGS.transport}, mode {FLAGS.mode}, loop on device: "
+          f"{'unknown' if loop is None else bool(loop)}")
+
+
+def _engine_kwargs(from_checkpoint) -> dict:
+  kw = dict(dtype=FLAGS.dtype, mode=FLAGS.mode, transport="shm", shm_name=FLAGS.shm_name)
+  if FLAGS.max_seqs is not None:
+    kw["max_seqs"] = FLAGS.max_seqs
+  if FLAGS.kv_pages is not None:
+    kw["kv_pages"] = FLAGS.kv_pages
+  params = inspect.signature(from_checkpoint).parameters
+  takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in params.values())
+  if "num_workers" in params or takes_kwargs:
+    kw["num_workers"] = FLAGS.workers  # the header must announce every worker's doorbell
+  elif FLAGS.workers > 1:
+    log.warning("Engine.from_checkpoint takes no num_workers: the mailbox header may announce "
+                "fewer frontend workers than %d", FLAGS.workers)
+  return kw
+
+
+def main(argv) -> int:
+  del argv
+  logging.basicConfig(level=logging.INFO,
+                      format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  if not FLAGS.ckpt:
+    raise app.UsageError("--ckpt is required")
+  from blink_jax.engine import Engine
+
+  t0 = time.monotonic()
+  engine = Engine.from_checkpoint(FLAGS.ckpt, **_engine_kwargs(Engine.from_checkpoint))
+  log.info("engine up in %.1fs: %s", time.monotonic() - t0, _describe(engine))
+  opts = ServeOptions(host=FLAGS.host, port=FLAGS.port, transport=FLAGS.transport,
+                      workers=FLAGS.workers,
+                      api_key=FLAGS.api_key or os.environ.get("BLINK_API_KEY") or None,
+                      grace_s=FLAGS.grace_s, relay_host=FLAGS.relay_host,
+                      relay_port=FLAGS.relay_port, max_body_bytes=FLAGS.max_body_bytes,
+                      served_model_names=tuple(FLAGS.served_model_name))
+  serving = Serving(engine, opts)
+  stop = threading.Event()
+
+  def on_signal(signum, frame):
+    log.info("signal %d: shutting down", signum)
+    stop.set()
+
+  signal.signal(signal.SIGINT, on_signal)
+  signal.signal(signal.SIGTERM, on_signal)
+  try:
+    start = getattr(engine, "start", None)
+    serving.start()
+    if callable(start):  # an engine that launches its loop separately
+      start()
+    serving.supervise(stop)
+  finally:
+    serving.stop()
+  return 0
+
+
+def _normalize_argv(argv: list[str]) -> list[str]:
+  """Accepts --max-seqs as well as absl's --max_seqs."""
+  out = []
+  for a in argv:
+    if a.startswith("--") and not a.startswith("---"):
+      name, eq, value = a[2:].partition("=")
+      a = "--" + name.replace("-", "_") + eq + value
+    out.append(a)
+  return out
+
+
+if __name__ == "__main__":
+  app.run(main, argv=_normalize_argv(sys.argv))

@@ -1,0 +1,274 @@
+"""A fake device loop: the real scheduler (C++ through ctypes) and a fake model, in a thread.
+
+It plays the GPU's part of the mailbox protocol without JAX: loop schedule -> model -> commit
+over a mailbox region until stopped, exactly what the persistent device program does, so the
+frontend can be tested end to end over any transport.
+
+Models (deterministic, so tests know the expected output):
+  StoryModel  the k-th generated token of a prompt of L tokens is story[(L + k) % len(story)]
+              (a fixed token sequence: text with multi-byte characters, and <eos> at its end);
+  HashModel   sched_harness.FakePagedModel (next token = hash of the whole sequence).
+Both report logprob(t) = -0.5 - (t % 7) and top alternatives (t + j) % vocab with
+logprob(t) - j, like the scheduler tests' model.
+
+Also here: `tiny_tokenizer()` trains a small SentencePiece model shaped like Gemma's (ids 0..3 =
+<pad> <eos> <bos> <unk>, <start_of_turn>/<end_of_turn> control pieces, byte fallback, no
+normalization), and `FakeEngine`, the engine API scripts/serve.py drives, over the fake device.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import threading
+import time
+
+import numpy as np
+
+from blink_jax import batch as B
+from blink_jax import mailbox as M
+from blink_jax import protocol as P
+from blink_jax.ffi import HostScheduler, SchedConfig
+
+TOP = 4  # top-logprob alternatives the fake models report (= geometry max_top_logprobs)
+
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A stitch in time saves nine.
+Hello world! This is a tiny corpus for a tiny tokenizer used by the frontend tests.
+Streaming text arrives token by token, and stop strings must never leak to the client.
+Once upon a time there was a server that answered every request with a story.
+The engine runs on the device; the frontend parses, validates, tokenizes and streams.
+Numbers like 12345 and 3.14159 appear too, as do questions? And exclamations!
+user model assistant system: the chat template wraps every turn.
+""" * 3
+
+STORY = ("Once upon a time, a café served crème brûlée to 🙂 travellers. The end is near. "
+         "日本語 text follows: 東京. STOP here. Then more words arrive, ünïcödé and emoji 🎉🎉. "
+         "The quick brown fox jumps over the lazy dog again and again. ")
+
+
+def tiny_tokenizer(directory: pathlib.Path, vocab_size: int = 320) -> pathlib.Path:
+  """Trains (once per directory) and returns the path of a tiny Gemma-shaped SentencePiece
+  model."""
+  import sentencepiece as spm
+
+  directory = pathlib.Path(directory)
+  model = directory / "tiny.model"
+  if model.exists():
+    return model
+  directory.mkdir(parents=True, exist_ok=True)
+  corpus = directory / "corpus.txt"
+  corpus.write_text(CORPUS)
+  spm.SentencePieceTrainer.train(
+      input=str(corpus), model_prefix=str(directory / "tiny"), vocab_size=vocab_size,
+      model_type="bpe", character_coverage=1.0, byte_fallback=True,
+      pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>",
+      bos_piece="<bos>", unk_piece="<unk>",
+      control_symbols=["<start_of_turn>", "<end_of_turn>"],
+      normalization_rule_name="identity", add_dummy_prefix=False,
+      remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True,
+      num_threads=1, minloglevel=2)
+  return model
+
+
+def _top(sampled: np.ndarray, vocab: int):
+  lps = (-0.5 - (sampled % 7)).astype(np.float32)
+  top_ids = ((sampled[:, None] + np.arange(TOP)[None, :]) % vocab).astype(np.int32)
+  top_lps = (lps[:, None] - np.arange(TOP)[None, :]).astype(np.float32)
+  return lps, top_ids, top_lps
+
+
+class StoryModel:
+  """Token k of a prompt of L tokens: story[(L + k) % len(story)] (depends on L alone)."""
+
+  def __init__(self, cfg: SchedConfig, story: list[int]):
+    self.cfg = cfg
+    self.story = np.asarray(story, np.int64)
+
+  def expected(self, prompt_len: int, n: int) -> list[int]:
+    return [int(self.story[(prompt_len + k) % len(self.story)]) for k in range(n)]
+
+  def step(self, words: np.ndarray, page_table: np.ndarray):
+    cfg = self.cfg
+    ns = int(words[B.NUM_SAMPLES])
+    sampled = np.zeros(cfg.max_seqs, np.int32)
+    if ns:
+      b = B.split(words, cfg.token_budget, cfg.max_seqs, int(words[B.BUCKET_SIZE]), ns)
+      pos = np.asarray(b.position[:ns], np.int64)  # length of the sequence before the sample
+      sampled[:ns] = self.story[pos % len(self.story)]
+    lps, top_ids, top_lps = _top(sampled.astype(np.int64), cfg.vocab_size)
+    return sampled, lps, top_ids, top_lps
+
+
+@dataclasses.dataclass
+class DeviceConfig:
+  num_slots: int = 80
+  max_prompt: int = 192
+  ring_capacity: int = 32
+  vocab_size: int = 320
+  max_context: int = 256
+  max_seqs: int = 16
+  page_size: int = 16
+  num_pages: int = 16 * 16
+  buckets: tuple[int, ...] = (16, 64, 256)
+  eos_ids: tuple[int, ...] = (1,)
+  num_workers: int = 1
+  idle_poll_us: int = 2000
+
+  @property
+  def geometry(self) -> P.Geometry:
+    return P.Geometry(self.num_slots, self.max_prompt, self.ring_capacity, TOP)
+
+
+class FakeDevice:
+  """The device loop in a thread, over `region` (anything with a numpy `.buf` or a LocalRegion).
+
+  Writes the header (engine side), sets READY when started (unless ready=False), and records
+  every request it sees published (`requests`: slot, seq and the request's fields).
+  """
+
+  def __init__(self, region, dc: DeviceConfig, *, model: str = "story",
+               story: list[int] | None = None, ready: bool = True):
+    self.dc = dc
+    self.region = region if isinstance(region, M.LocalRegion) else M.LocalRegion(region.buf)
+    geo = dc.geometry
+    assert self.region.buf.size >= geo.total_bytes
+    M.init_header(self.region, geo, vocab_size=dc.vocab_size, max_context=dc.max_context,
+                  num_workers=dc.num_workers, eos_id=dc.eos_ids[0])
+    self.cfg = SchedConfig.build(
+        mailbox=self.region.address, num_slots=geo.num_slots, max_prompt=geo.max_prompt,
+        ring_capacity=geo.ring_capacity, max_top_logprobs=geo.max_top_logprobs,
+        vocab_size=dc.vocab_size, max_seqs=dc.max_seqs, max_context=dc.max_context,
+        page_size=dc.page_size, num_pages=dc.num_pages, buckets=dc.buckets,
+        eos_ids=dc.eos_ids, idle_poll_us=dc.idle_poll_us)
+    self.sched = HostScheduler(self.cfg)
+    if model == "story":
+      self.model = StoryModel(self.cfg, story if story is not None else [5, 6, 7])
+    else:
+      from tests.sched_harness import FakePagedModel
+      self.model = FakePagedModel(self.cfg)
+    self.geo = geo
+    self.requests: list[dict] = []
+    self.steps = 0
+    self.step_delay_s = 0.0
+    self.error: BaseException | None = None
+    self._ready = ready
+    self._run = threading.Event()
+    self._run.set()
+    self._stop = threading.Event()
+    self._seen = np.zeros(geo.num_slots, np.int64)
+    self._doorbells = -1
+    self._thread = threading.Thread(target=self._loop, name="fake-device", daemon=True)
+
+  # ---- control ----
+  def start(self) -> "FakeDevice":
+    if self._ready:
+      self.set_state(P.EngineState.READY)
+    self._thread.start()
+    return self
+
+  def set_state(self, state: P.EngineState) -> None:
+    off = P.HEADER_DTYPE.fields["engine_state"][1]
+    self.region.write(off, int(state).to_bytes(4, "little"))
+
+  def pause(self) -> None:
+    """Stops stepping (requests stay where they are) until resume()."""
+    self._run.clear()
+
+  def resume(self) -> None:
+    self._run.set()
+
+  def stop(self, timeout: float = 10.0) -> None:
+    self.region.write(P.HEADER_DTYPE.fields["shutdown"][1], (1).to_bytes(4, "little"))
+    self._stop.set()
+    self._run.set()
+    if self._thread.is_alive():
+      self._thread.join(timeout)
+    self.set_state(P.EngineState.STOPPED)
+    if self.error is not None:
+      raise self.error
+
+  def header(self) -> np.ndarray:
+    return M.read_header(self.region)
+
+  def find_requests(self, **fields) -> list[dict]:
+    return [r for r in self.requests if all(r.get(k) == v for k, v in fields.items())]
+
+  # ---- the loop ----
+  def _record(self) -> None:
+    h = np.frombuffer(self.region.buf[:P.HEADER_BYTES], P.HEADER_DTYPE)[0]
+    bells = int(h["doorbell"].sum())
+    if bells == self._doorbells:
+      return
+    self._doorbells = bells
+    g = self.geo
+    for s in range(g.num_slots):
+      off = g.request_offset(s)
+      req = np.frombuffer(self.region.buf[off:off + P.REQUEST_FIXED_BYTES], P.REQUEST_DTYPE)[0]
+      seq = int(req["seq"])
+      if seq == self._seen[s]:
+        continue
+      self._seen[s] = seq
+      n = int(req["prompt_len"])
+      rec = {k: req[k].item() for k in P.REQUEST_DTYPE.names if k != "stop_ids"}
+      rec["stop_ids"] = [int(x) for x in req["stop_ids"][:int(req["num_stop_ids"])]]
+      rec["slot"] = s
+      po = g.prompt_offset(s)
+      rec["prompt"] = np.frombuffer(self.region.buf[po:po + 4 * min(n, g.max_prompt)],
+                                    "<i4").tolist()
+      self.requests.append(rec)
+
+  def _loop(self) -> None:
+    try:
+      while not self._stop.is_set():
+        if not self._run.is_set():
+          self._run.wait(0.05)
+          continue
+        self._record()
+        words = self.sched.schedule()
+        if int(words[B.SHUTDOWN]):
+          break
+        sampled, lps, tids, tlps = self.model.step(np.asarray(words),
+                                                   np.asarray(self.sched.page_table))
+        self.sched.commit(sampled, lps, tids, tlps)
+        if int(words[B.NUM_ROWS]):
+          self.steps += 1
+          if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+    except BaseException as e:  # surfaced by stop()
+      self.error = e
+
+
+class FakeEngine:
+  """What scripts/serve.py needs of blink_jax.engine.Engine, over a FakeDevice and shm."""
+
+  def __init__(self, tokenizer_path: pathlib.Path, dc: DeviceConfig | None = None, *,
+               model_name: str = "tiny", shm_name: str | None = None, story_text: str = STORY):
+    from blink_jax.tokenizer import Tokenizer
+    from nic_frontend.transports import shm
+
+    dc = dc or DeviceConfig()
+    tok = Tokenizer(str(tokenizer_path))
+    dc = dataclasses.replace(dc, vocab_size=tok.vocab_size)
+    self.region = shm.create_region(shm_name, dc.geometry.total_bytes)
+    self.shm_name = self.region.name
+    self.tokenizer_path = str(tokenizer_path)
+    self.model_name = model_name
+    self.max_context = dc.max_context
+    self.dtype = "float32"
+    self.devices = ["fake-cpu"]
+    self.loop_on_device = False
+    self.device = FakeDevice(self.region, dc,
+                             story=tok.encode(story_text) + [tok.eos_id]).start()
+    self._shut = False
+
+  def stats(self) -> dict:
+    h = self.device.header()
+    return {k: int(h[k]) for k in ("steps", "tokens_generated", "requests_finished")}
+
+  def shutdown(self) -> None:
+    if self._shut:
+      return
+    self._shut = True
+    self.device.stop()
+    self.region.close()
+    self.region.unlink()

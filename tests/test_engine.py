@@ -1,0 +1,195 @@
+"""Engine API and executor on CPU with a tiny random Gemma 3 (float32)."""
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from blink_jax import Engine, EngineStoppedError, SamplingParams
+from blink_jax.config import tiny_config
+from blink_jax.model import Gemma
+from tests.tiny_tokenizer import tiny_tokenizer
+
+ENGINE_KW = dict(max_seqs=4, page_size=4, max_context=96, num_slots=16, ring_capacity=8,
+                 buckets=(4, 16, 32), max_top_logprobs=3, idle_poll_us=100)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return Gemma(tiny_config("gemma3", vocab_size=384), dtype=jnp.float32,
+               rngs=__import__("flax").nnx.Rngs(7))
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+  with Engine(model, tiny_tokenizer(), **ENGINE_KW) as eng:
+    yield eng
+
+
+@pytest.fixture(scope="module")
+def dense(model):
+  fwd = jax.jit(model.dense_forward)
+  width = ENGINE_KW["max_context"]
+
+  def logits(seq):  # causal: padding after the sequence changes nothing; one compile
+    return np.asarray(fwd(jnp.array([list(seq) + [0] * (width - len(seq))]))[0, :len(seq)])
+
+  def greedy(prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+      seq.append(int(np.argmax(logits(seq)[-1])))
+    return seq[len(prompt):]
+
+  greedy.logits = logits
+  return greedy
+
+
+def _prompts(rng, n, lo=1, hi=40):
+  return [[int(t) for t in rng.integers(3, 384, rng.integers(lo, hi))] for _ in range(n)]
+
+
+def test_single_request_equals_dense_greedy(engine, dense):
+  p = [5, 6, 7, 8, 9, 10, 11]
+  out = engine.generate(prompt_token_ids=p, sampling=SamplingParams(max_tokens=12,
+                                                                    ignore_eos=True))
+  assert out.token_ids == dense(p, 12)
+  assert out.finish_reason == "length"
+
+
+def test_many_concurrent_callers_equal_dense_greedy(engine, dense):
+  rng = np.random.default_rng(0)
+  prompts = _prompts(rng, 10, 1, 60)  # more requests than lanes; long ones are chunked
+  results = {}
+
+  def worker(i):
+    results[i] = engine.generate(prompt_token_ids=prompts[i],
+                                 sampling=SamplingParams(max_tokens=8, ignore_eos=True))
+
+  threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  for i, p in enumerate(prompts):
+    assert results[i].token_ids == dense(p, 8), f"request {i}"
+  assert engine.stats()["pages_in_use"] == 0
+
+
+def test_batch_generate_keeps_order(engine, dense):
+  prompts = [[3, 4], [5, 6, 7, 8, 9], [10]]
+  outs = engine.generate(prompt_token_ids=prompts,
+                         sampling=SamplingParams(max_tokens=5, ignore_eos=True))
+  assert [o.token_ids for o in outs] == [dense(p, 5) for p in prompts]
+
+
+def test_seed_reproduces_whatever_else_is_in_the_batch(engine):
+  sp = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=1234,
+                      ignore_eos=True)
+  p = [20, 21, 22, 23]
+  alone = engine.generate(prompt_token_ids=p, sampling=sp).token_ids
+  crowd = engine.generate(prompt_token_ids=[[9, 9, 9], p, [30] * 20, [7]], sampling=sp)
+  assert crowd[1].token_ids == alone
+  other = engine.generate(prompt_token_ids=p, sampling=SamplingParams(
+      max_tokens=12, temperature=1.0, seed=99, ignore_eos=True)).token_ids
+  assert other != alone
+
+
+def test_top_k_one_is_greedy(engine, dense):
+  p = [40, 41, 42]
+  out = engine.generate(prompt_token_ids=p, sampling=SamplingParams(
+      max_tokens=6, temperature=1.5, top_k=1, ignore_eos=True))
+  assert out.token_ids == dense(p, 6)
+
+
+def test_stop_token_ids(engine, dense):
+  p = [50, 51, 52, 53]
+  ref = dense(p, 10)
+  stop = ref[4]
+  out = engine.generate(prompt_token_ids=p, sampling=SamplingParams(
+      max_tokens=10, stop_token_ids=[stop], ignore_eos=True))
+  assert out.token_ids == ref[:ref.index(stop) + 1]
+  assert out.finish_reason == "stop"
+
+
+def test_stop_strings_cut_the_text(engine):
+  sp = SamplingParams(max_tokens=24, ignore_eos=True)
+  p = "hello world the quick brown"
+  full = engine.generate(p, sp)
+  assert len(full.text) > 6
+  stop = full.text[3:6]
+  out = engine.generate(p, SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop, "@@@"]))
+  assert out.finish_reason == "stop"
+  assert out.text == full.text[:full.text.index(stop)]
+  assert stop not in out.text
+  assert engine.stats()["pages_in_use"] == 0
+
+
+def test_stream_deltas_add_up(engine):
+  sp = SamplingParams(max_tokens=10, ignore_eos=True)
+  full = engine.generate("the model", sp)
+  deltas = list(engine.generate("the model", sp, stream=True))
+  assert "".join(d.text for d in deltas) == full.text
+  assert sum((d.token_ids for d in deltas), []) == full.token_ids
+  assert deltas[-1].finish_reason == "length"
+
+
+def test_logprobs_match_the_model(engine, dense):
+  p = [60, 61, 62, 63, 64]
+  out = engine.generate(prompt_token_ids=p, sampling=SamplingParams(
+      max_tokens=4, logprobs=3, ignore_eos=True))
+  logits = dense.logits(p + out.token_ids)
+  lp = jax.nn.log_softmax(logits, axis=-1)
+  for i, tok in enumerate(out.token_ids):
+    row = np.asarray(lp[len(p) - 1 + i])
+    assert out.logprobs[i] == pytest.approx(row[tok], abs=1e-4)
+    top = [a for a, _ in out.top_logprobs[i]]
+    assert top == list(np.argsort(-row)[:3])
+
+
+def test_bad_requests_raise_clear_errors(engine):
+  with pytest.raises(ValueError, match="temperature"):
+    engine.generate(prompt_token_ids=[1, 2], sampling=SamplingParams(temperature=-1.0))
+  with pytest.raises(TypeError, match="prompt_token_ids"):
+    engine.generate([1, 2])
+  with pytest.raises(ValueError, match="top_p"):
+    engine.generate(prompt_token_ids=[1, 2], sampling=SamplingParams(top_p=0.0))
+  with pytest.raises(ValueError, match="context"):
+    engine.generate(prompt_token_ids=[5] * 200)
+  with pytest.raises(ValueError, match="vocabulary"):
+    engine.generate(prompt_token_ids=[5, 100_000])
+  with pytest.raises(ValueError, match="logprobs"):
+    engine.generate(prompt_token_ids=[5], sampling=SamplingParams(logprobs=50))
+  with pytest.raises(ValueError, match="exactly one"):
+    engine.generate()
+  # The engine still serves.
+  assert engine.generate(prompt_token_ids=[5, 6], sampling=SamplingParams(max_tokens=2)).token_ids
+
+
+def test_stats_after_work(engine):
+  s = engine.stats()
+  assert s["pages_in_use"] == 0 and s["running"] == 0 and s["waiting"] == 0
+  assert s["tokens_generated"] > 0 and s["steps"] > 0
+  assert s["requests_finished"] == s["requests_admitted"]
+
+
+def test_host_mode_equals_persistent(model, dense):
+  with Engine(model, None, mode="host", **ENGINE_KW) as eng:
+    prompts = [[3, 4, 5], [6] * 20]
+    outs = eng.generate(prompt_token_ids=prompts,
+                        sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [dense(p, 6) for p in prompts]
+
+
+def test_shutdown_leaves_no_thread_and_rejects_requests(model):
+  before = {t.name for t in threading.enumerate()}
+  eng = Engine(model, None, **ENGINE_KW)
+  eng.generate(prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=2))
+  eng.shutdown()
+  after = {t.name for t in threading.enumerate()}
+  assert not {n for n in after - before if n.startswith("blink")}
+  assert eng.stats()["engine_state"] == "stopped"
+  with pytest.raises(EngineStoppedError):
+    eng.generate(prompt_token_ids=[1, 2, 3])

@@ -1,0 +1,82 @@
+"""The same random workloads through the XLA FFI handlers: CPU always, CUDA where present.
+
+Every output and counter must equal the direct host run (the CPU handlers are that code; the
+CUDA handlers are the same source compiled for one thread block).
+"""
+from __future__ import annotations
+
+import random
+
+import jax
+import numpy as np
+import pytest
+
+from blink_jax import protocol as P
+from tests import sched_harness as H
+from tests.xla_scheduler import XlaScheduler
+
+
+def _random_jobs(rng: random.Random, vocab: int, max_context: int, n: int) -> list[H.Job]:
+  jobs = []
+  for _ in range(n):
+    plen = rng.randint(1, min(30, max_context - 1))
+    j = H.Job(rng.randint(0, 20), [rng.randrange(vocab) for _ in range(plen)],
+              max_tokens=rng.randint(1, 30), stop_ids=(rng.randrange(vocab),),
+              ignore_eos=rng.random() < 0.5, logprobs=rng.randint(-1, 3))
+    r = rng.random()
+    if r < 0.1:
+      j.prompt[-1] = vocab + 3
+      j.expect_error = P.Error.TOKEN_ID
+    elif r < 0.2:
+      j.cancel_after = rng.randint(0, 8)
+    jobs.append(j)
+  return jobs
+
+
+def _run_both(device: jax.Device, seed: int):
+  rng = random.Random(seed)
+  geo = P.Geometry(num_slots=6, max_prompt=40, ring_capacity=3, max_top_logprobs=3)
+  params = dict(vocab_size=32, max_context=40, page_size=rng.choice([1, 4, 8]),
+                max_seqs=rng.randint(1, 6), buckets=(8, 16), eos_ids=(1,))
+  params["num_pages"] = -(-40 // params["page_size"]) + rng.randint(0, 4)
+  jobs = _random_jobs(rng, params["vocab_size"], params["max_context"], 12)
+  results = []
+  for backend in ("host", "xla"):
+    region = H.new_mailbox(geo, params["vocab_size"], params["max_context"])
+    cfg = H.make_config(region, geo, **params)
+    sched = None if backend == "host" else XlaScheduler(cfg, device, region)
+    try:
+      res = H.run(jobs, cfg, region, backend=sched, consume_prob=0.7, seed=seed,
+                  check_every_step=backend == "host")
+    finally:
+      if sched is not None:
+        sched.close()
+    H.check_run(jobs, res, cfg)
+    results.append(res)
+  host, xla = results
+  for a, b in zip(host.results, xla.results):
+    assert (a.tokens, a.finish, a.error, a.admit_ticket) == (b.tokens, b.finish, b.error,
+                                                             b.admit_ticket)
+  assert host.summary == {**xla.summary, "loop_iterations": host.summary["loop_iterations"]}
+  assert len(host.trace) == len(xla.trace)
+  for x, y in zip(host.trace, xla.trace):
+    np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cpu_handlers_match_host_run(seed):
+  _run_both(jax.devices("cpu")[0], seed)
+
+
+def _gpus():
+  try:
+    return jax.devices("gpu")
+  except RuntimeError:
+    return []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpus(), reason="no CUDA GPU")
+@pytest.mark.parametrize("seed", range(8))
+def test_cuda_handlers_match_host_run(seed):
+  _run_both(_gpus()[0], seed)

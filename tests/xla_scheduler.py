@@ -1,0 +1,62 @@
+"""Drives blink_schedule / blink_commit through XLA (jax.ffi) on a given device, with the same
+interface as blink_jax.ffi.HostScheduler, so the scheduler harness can run on any backend."""
+from __future__ import annotations
+
+import ctypes
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from blink_jax import executor as X
+from blink_jax import ffi as F
+
+
+class XlaScheduler:
+  def __init__(self, cfg: F.SchedConfig, device: jax.Device, region=None):
+    F.register_targets()
+    self.device = device
+    self.registered = None
+    if device.platform == "gpu":  # the GPU reads the mailbox through a mapped pointer
+      cuda = F.cuda_library()
+      dev = ctypes.c_uint64()
+      nbytes = region.buf.nbytes
+      rc = cuda.blink_cuda_register_host(region.address, nbytes, ctypes.byref(dev))
+      assert rc == 0, cuda.blink_cuda_error_string(rc)
+      self.registered = region.address
+      cfg = cfg.replace(mailbox=dev.value)
+    self.cfg = cfg
+    put = lambda a: jax.device_put(a, device)
+    self.state = put(F.initial_state(cfg))
+    self.history = put(np.zeros((cfg.max_seqs, cfg.max_context), np.int32))
+    self._pt = put(np.zeros((cfg.max_seqs, cfg.max_pages_per_seq), np.int32))
+    self._words = None
+    self._sched = jax.jit(lambda s, h, p: X.schedule_call(cfg, s, h, p), donate_argnums=(0, 1, 2))
+    self._commit = jax.jit(lambda s, h, p, w, a, b, c, d: X.commit_call(cfg, s, h, p, w, a, b, c, d),
+                           donate_argnums=(0, 1))
+
+  @property
+  def page_table(self):
+    return np.asarray(self._pt)
+
+  def schedule(self):
+    self.state, self.history, self._pt, self._words = self._sched(self.state, self.history,
+                                                                  self._pt)
+    return np.asarray(self._words)
+
+  def commit(self, sampled, logprobs, top_ids, top_lps):
+    put = lambda a: jax.device_put(a, self.device)
+    self.state, self.history = self._commit(self.state, self.history, self._pt, self._words,
+                                            put(np.asarray(sampled, np.int32)),
+                                            put(np.asarray(logprobs, np.float32)),
+                                            put(np.asarray(top_ids, np.int32)),
+                                            put(np.asarray(top_lps, np.float32)))
+
+  def summary(self):
+    return F.summarize(self.cfg, np.asarray(self.state))
+
+  def close(self):
+    if self.registered is not None:
+      jax.block_until_ready(self.state)
+      F.cuda_library().blink_cuda_unregister_host(self.registered)
+      self.registered = None
