@@ -141,7 +141,8 @@ class Engine:
                ring_capacity: int = 64, max_top_logprobs: int = 8,
                buckets: Sequence[int] | None = None, mode: str = "persistent",
                idle_poll_us: int = 200, region: Any = None, model_name: str = "model",
-               tokenizer_path: str | None = None, eos_ids: Sequence[int] | None = None):
+               tokenizer_path: str | None = None, eos_ids: Sequence[int] | None = None,
+               device: Any = None):
     import jax
 
     from blink_jax import executor as X
@@ -167,7 +168,7 @@ class Engine:
     self.geo = P.Geometry(num_slots, self.max_context - 1, ring_capacity, max_top_logprobs)
     self.eos_ids = tuple(eos_ids if eos_ids is not None else
                          (tokenizer.eos_ids if tokenizer is not None else ()))[:4]
-    self.device = jax.devices()[0]
+    self.device = device or jax.devices()[0]
     on_gpu = self.device.platform == "gpu"
 
     # The mailbox: host memory the device reads in place.

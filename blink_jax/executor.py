@@ -71,7 +71,8 @@ class Executor:
     self.sched = sched
     self.max_top = max_top_logprobs
     self.device = device or jax.devices()[0]
-    self.graphdef, self.params = nnx.split(model)
+    self.graphdef, params = nnx.split(model)
+    self.params = jax.device_put(params, self.device)
     self._step = jax.jit(self._step_fn, donate_argnums=(1,))
     self._loop = jax.jit(self._loop_fn, donate_argnums=(1,))
 

@@ -56,6 +56,8 @@ flags.DEFINE_integer("relay_port", 0, "Port of the tcp relay (0: any free port).
 flags.DEFINE_float("grace_s", 30.0, "On shutdown, how long requests in flight may take.")
 flags.DEFINE_integer("max_body_bytes", 16 << 20, "Largest accepted request body.")
 flags.DEFINE_multi_string("served_model_name", [], "Additional model names to accept.")
+flags.DEFINE_integer("max_context", None, "Context length served (engine default if unset).")
+flags.DEFINE_integer("num_slots", 64, "Mailbox request slots, shared out among the workers.")
 
 
 @dataclasses.dataclass
@@ -77,14 +79,20 @@ class ServeOptions:
 class Serving:
   """The frontend side of a running engine: the relay (tcp) and the worker processes.
 
-  `engine` provides region (with .buf), shm_name, tokenizer_path, model_name, max_context,
-  stats() and shutdown() (blink_jax.engine.Engine, or tests' FakeEngine).
+  `engine` provides tokenizer_path, model_name, stats() and shutdown(), and its mailbox as
+  `region` (a ShmRegion) and `shm_name` unless they are given here (blink_jax.engine.Engine,
+  or the tests' FakeEngine).
   """
 
-  def __init__(self, engine, opts: ServeOptions):
+  def __init__(self, engine, opts: ServeOptions, *, region=None, shm_name: str | None = None):
     if opts.workers < 1:
       raise ValueError("--workers must be at least 1")
     self.engine, self.opts = engine, opts
+    self.region = region if region is not None else engine.region
+    self.shm_name = shm_name or getattr(engine, "shm_name", None) or getattr(
+        self.region, "name", None)
+    if opts.transport == "shm" and not self.shm_name:
+      raise ValueError("the engine's mailbox is not in named shared memory")
     self.procs: list[subprocess.Popen] = []
     self.relay = None
     self._relay_token = secrets.token_urlsafe(32)
@@ -99,7 +107,7 @@ class Serving:
     o = self.opts
     if o.transport == "tcp":
       from nic_frontend.transports.tcp import TcpRelayServer
-      self.relay = TcpRelayServer(self.engine.region, token=self._relay_token,
+      self.relay = TcpRelayServer(self.region, token=self._relay_token,
                                   host=o.relay_host, port=o.relay_port).start()
       log.info("tcp relay for the mailbox on %s", self.relay.address)
     elif o.transport != "shm":
@@ -134,7 +142,7 @@ class Serving:
     env = dict(os.environ)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     if o.transport == "shm":
-      cmd += ["--shm-name", self.engine.shm_name]
+      cmd += ["--shm-name", self.shm_name]
     else:
       cmd += ["--relay", self.relay.address]
       env["BLINK_RELAY_TOKEN"] = self._relay_token
@@ -202,9 +210,10 @@ class Serving:
     except Exception:  # the stats are informational
       pass
     self.engine.shutdown()
-    region = getattr(self.engine, "region", None)
-    if region is not None and hasattr(region, "unlink"):
-      region.unlink()  # idempotent; the engine may have done it already
+    if hasattr(self.region, "unlink"):  # the shared memory goes (idempotent)
+      if hasattr(self.region, "close"):
+        self.region.close()
+      self.region.unlink()
     if self._own_run_dir:
       shutil.rmtree(self.run_dir, ignore_errors=True)
     elif self._metrics_dir is not None:
@@ -212,39 +221,77 @@ class Serving:
     log.info("stopped")
 
 
-def _describe(engine) -> str:
+def _describe(engine, shm_name: str | None) -> str:
   devices = getattr(engine, "devices", None)
   if devices is None:
-    import jax  # the engine host has JAX; only the frontend must not import it
-    devices = jax.devices()
+    device = getattr(engine, "device", None)
+    if device is None:
+      import jax  # the engine host has JAX; only the frontend must not import it
+      devices = jax.devices()
+    else:
+      devices = [device]
   loop = getattr(engine, "loop_on_device", None)
-  if loop is None:
-    try:
-      st = engine.stats()
-      loop = st.get("loop_on_device", st.get("device_loop"))
-    except Exception:
-      loop = None
+  report = getattr(engine, "loop_report", None)
+  if loop is None and isinstance(report, dict):
+    loop = report.get("device_while")
   dtype = getattr(engine, "dtype", None) or FLAGS.dtype
+  why = f" ({report.get('reason')})" if isinstance(report, dict) and report.get("reason") else ""
   return (f"model {engine.model_name}, dtype {dtype}, devices {list(devices)}, "
-          f"max context {engine.max_context}, mailbox shm {engine.shm_name}, transport "
+          f"max context {engine.max_context}, mailbox shm {shm_name}, transport "
           f"{FLAGS.transport}, mode {FLAGS.mode}, loop on device: "
-          f"{'unknown' if loop is None else bool(loop)}")
+          f"{'unknown' if loop is None else bool(loop)}{why}")
 
 
-def _engine_kwargs(from_checkpoint) -> dict:
-  kw = dict(dtype=FLAGS.dtype, mode=FLAGS.mode, transport="shm", shm_name=FLAGS.shm_name)
-  if FLAGS.max_seqs is not None:
-    kw["max_seqs"] = FLAGS.max_seqs
-  if FLAGS.kv_pages is not None:
-    kw["kv_pages"] = FLAGS.kv_pages
-  params = inspect.signature(from_checkpoint).parameters
-  takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in params.values())
-  if "num_workers" in params or takes_kwargs:
-    kw["num_workers"] = FLAGS.workers  # the header must announce every worker's doorbell
-  elif FLAGS.workers > 1:
-    log.warning("Engine.from_checkpoint takes no num_workers: the mailbox header may announce "
-                "fewer frontend workers than %d", FLAGS.workers)
-  return kw
+def _accepts(fn, name: str) -> bool:
+  return name in inspect.signature(fn).parameters
+
+
+def _set_header_workers(region, workers: int) -> None:
+  """The header announces every frontend worker (the device polls their doorbells). Engine
+  host code owns the header; the device rereads num_workers at each idle poll."""
+  from blink_jax import protocol as P
+  off = P.HEADER_DTYPE.fields["num_workers"][1]
+  region.write(off, int(workers).to_bytes(4, "little"))
+
+
+def make_engine(Engine):
+  """(engine, region, shm_name): the engine over a mailbox in named shared memory.
+
+  With an Engine.from_checkpoint that creates the shared memory itself (transport="shm",
+  shm_name=...), that is used; otherwise this creates the segment, sized for the geometry the
+  engine will use, and hands it to the engine as its region.
+  """
+  from blink_jax import protocol as P
+  from nic_frontend.transports import shm
+
+  kw = dict(dtype=FLAGS.dtype, mode=FLAGS.mode)
+  for name in ("max_seqs", "kv_pages", "max_context"):
+    if getattr(FLAGS, name) is not None:
+      kw[name] = getattr(FLAGS, name)
+  if _accepts(Engine.from_checkpoint, "shm_name"):
+    kw.update(transport="shm", shm_name=FLAGS.shm_name, num_slots=FLAGS.num_slots)
+    if _accepts(Engine.from_checkpoint, "num_workers"):
+      kw["num_workers"] = FLAGS.workers
+    engine = Engine.from_checkpoint(FLAGS.ckpt, **kw)
+    region, name = engine.region, engine.shm_name
+  else:
+    from blink_jax.checkpoint import load_config, resolve_checkpoint
+    cfg = load_config(resolve_checkpoint(FLAGS.ckpt))
+    max_context = FLAGS.max_context or min(cfg.max_context, 4096)
+    ring, top = 64, 8
+    geo = P.Geometry(FLAGS.num_slots, max_context - 1, ring, top)
+    region = shm.create_region(FLAGS.shm_name, geo.total_bytes)
+    kw.update(max_context=max_context, num_slots=FLAGS.num_slots, ring_capacity=ring,
+              max_top_logprobs=top, region=region)
+    try:
+      engine = Engine.from_checkpoint(FLAGS.ckpt, **kw)
+    except BaseException:
+      region.close()
+      region.unlink()
+      raise
+    name = region.name
+  _set_header_workers(region, FLAGS.workers)
+  return engine, region, name
 
 
 def main(argv) -> int:
@@ -256,15 +303,15 @@ def main(argv) -> int:
   from blink_jax.engine import Engine
 
   t0 = time.monotonic()
-  engine = Engine.from_checkpoint(FLAGS.ckpt, **_engine_kwargs(Engine.from_checkpoint))
-  log.info("engine up in %.1fs: %s", time.monotonic() - t0, _describe(engine))
+  engine, region, shm_name = make_engine(Engine)
+  log.info("engine up in %.1fs: %s", time.monotonic() - t0, _describe(engine, shm_name))
   opts = ServeOptions(host=FLAGS.host, port=FLAGS.port, transport=FLAGS.transport,
                       workers=FLAGS.workers,
                       api_key=FLAGS.api_key or os.environ.get("BLINK_API_KEY") or None,
                       grace_s=FLAGS.grace_s, relay_host=FLAGS.relay_host,
                       relay_port=FLAGS.relay_port, max_body_bytes=FLAGS.max_body_bytes,
                       served_model_names=tuple(FLAGS.served_model_name))
-  serving = Serving(engine, opts)
+  serving = Serving(engine, opts, region=region, shm_name=shm_name)
   stop = threading.Event()
 
   def on_signal(signum, frame):

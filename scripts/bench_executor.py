@@ -1,0 +1,222 @@
+"""Per-token decode latency of the engine: persistent (device loop) vs host-driven mode, quiet
+and under CPU interference, at several batch sizes.
+
+The measuring thread plays the SmartNIC frontend: pinned to its own core (the NIC's cores are
+not the host's), it watches one request's output count in the mailbox and timestamps every new
+token, and keeps all rings drained. The engine's threads and the interference processes share
+the other cores, as a colocated host workload would.
+
+  python scripts/bench_executor.py --config gemma3-1b --batches 1,64 --prompt 1024
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+
+import numpy as np
+from absl import app, flags
+
+from blink_jax import mailbox as M
+from blink_jax import protocol as P
+from blink_jax import xla_flags
+from scripts import bench_common as C
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("config", "gemma3-1b", "model config name, or 'tiny'")
+flags.DEFINE_string("dtype", "bfloat16", "bfloat16 | float32")
+flags.DEFINE_list("batches", ["1", "64"], "concurrent requests")
+flags.DEFINE_list("modes", ["persistent", "host"], "executor modes")
+flags.DEFINE_integer("prompt", 1024, "prompt tokens per request")
+flags.DEFINE_integer("tokens", 128, "decode tokens measured per request")
+flags.DEFINE_integer("interference", -1, "thrashing processes (-1: 2 x nproc; 0: quiet only)")
+flags.DEFINE_integer("page_size", 16, "KV page size")
+flags.DEFINE_list("buckets", ["1", "8", "64", "256"], "token buckets")
+flags.DEFINE_string("out", "bench/results/executor_latency.json", "JSON result file")
+
+THRASH_C = pathlib.Path(__file__).resolve().parents[1] / "bench" / "thrash.c"
+
+
+def _thrash_binary() -> str | None:
+  cc = shutil.which("gcc") or shutil.which("cc")
+  if cc is None:
+    return None
+  out = os.path.join(tempfile.gettempdir(), "blink_thrash")
+  subprocess.run([cc, "-O2", "-o", out, str(THRASH_C)], check=True)
+  return out
+
+
+def start_interference(n: int, cpus: set[int], seconds: int) -> list[subprocess.Popen]:
+  """n memory-thrashing processes on `cpus` (random read-modify-write over 256 MB each)."""
+  exe = _thrash_binary()
+  cmd = [exe, str(seconds)] if exe else [
+      "python3", "-c", "import numpy as np,time\nb=np.zeros(1<<25,np.int64);r=np.random.default_rng()"
+      f"\nt=time.time()+{seconds}\nwhile time.time()<t:\n i=r.integers(0,b.size,1<<16);b[i]+=1"]
+  procs = []
+  for _ in range(n):
+    p = subprocess.Popen(cmd)
+    os.sched_setaffinity(p.pid, cpus)
+    procs.append(p)
+  return procs
+
+
+def _clock_main(shm_name: str, geo: P.Geometry, slot: int, cpu: int | None, ready, stop, conn):
+  """The frontend process: timestamps every new output entry of one slot and drains every
+  slot's ring. It runs apart from the engine so that it never competes for its GIL."""
+  from multiprocessing import shared_memory
+  shm = shared_memory.SharedMemory(name=shm_name)  # shares the engine's resource tracker
+  if cpu is not None:
+    os.sched_setaffinity(0, {cpu})
+  buf = np.ndarray((geo.total_bytes,), np.uint8, shm.buf)
+  base = P.HEADER_BYTES
+  field = lambda off: np.ndarray((geo.num_slots,), "<u4", buf, base + off, (geo.slot_bytes,))
+  counts = field(geo.request_bytes + P.OUTPUT_DTYPE.fields["count"][1])
+  consumed = field(8)
+  stamps, last, n = [], -1, 0
+  ready.set()
+  while not stop.is_set():
+    c = int(counts[slot])
+    if c != last:
+      stamps.append((c, time.perf_counter()))
+      last = c
+    n += 1
+    if n % 64 == 0:
+      consumed[:] = counts
+  conn.send(stamps)
+  del buf, counts, consumed, field
+  shm.close()
+
+
+class TokenClock:
+  """Per-token latency of one request, seen from a separate frontend process."""
+
+  def __init__(self, shm_name: str, geo: P.Geometry, slot: int, cpu: int | None):
+    ctx = mp.get_context("spawn")
+    self.stop, ready = ctx.Event(), ctx.Event()
+    self.recv, send = ctx.Pipe(duplex=False)
+    self.proc = ctx.Process(target=_clock_main,
+                            args=(shm_name, geo, slot, cpu, ready, self.stop, send), daemon=True)
+    self.proc.start()
+    if not ready.wait(120):
+      raise TimeoutError("the frontend clock process did not start")
+    self.stamps = []
+
+  def finish(self):
+    self.stop.set()
+    self.stamps = self.recv.recv()
+    self.proc.join()
+
+  def intervals_ms(self, skip: int = 2) -> np.ndarray:
+    """Per-token latency: time between consecutive tokens (one new entry each)."""
+    st = [(c, t) for c, t in self.stamps if c > 0]
+    out = [(t1 - t0) * 1e3 / (c1 - c0) for (c0, t0), (c1, t1) in zip(st, st[1:]) if c1 > c0]
+    return np.asarray(out[skip:])
+
+
+def build_engine(mode: str, max_seqs: int):
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from blink_jax import Engine
+  from blink_jax.config import get_config, tiny_config
+  from blink_jax.model import Gemma
+  cfg = tiny_config("gemma3") if FLAGS.config == "tiny" else get_config(FLAGS.config)
+  dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[FLAGS.dtype]
+  model = Gemma(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+  ctx = FLAGS.prompt + FLAGS.tokens + 64
+  buckets = tuple(sorted({min(int(b), 256) for b in FLAGS.buckets} | {max(max_seqs, 8)}))
+  buckets = tuple(b for b in buckets if b >= 1)
+  from multiprocessing import shared_memory
+  geo_bytes = P.Geometry(max(2 * max_seqs, 8), ctx - 1, 64, 0).total_bytes
+  shm = shared_memory.SharedMemory(create=True, size=geo_bytes)
+  region = M.LocalRegion(np.ndarray((geo_bytes,), np.uint8, shm.buf))
+  eng = Engine(model, None, mode=mode, max_seqs=max_seqs, page_size=FLAGS.page_size,
+               region=region,
+               max_context=ctx, num_slots=max(2 * max_seqs, 8), ring_capacity=64,
+               max_top_logprobs=0, buckets=buckets, idle_poll_us=50,
+               kv_pages=max_seqs * (-(-ctx // FLAGS.page_size)) + 8)
+  eng.shm = shm
+  return eng, cfg
+
+
+def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
+  rng = np.random.default_rng(batch)
+  slots = []
+  clock_cpu = cpus[0] if len(cpus) > 1 else None
+  others = set(cpus[1:]) or set(cpus)
+  procs = start_interference(interference, others, 600) if interference else []
+  try:
+    time.sleep(1.0 if procs else 0.1)
+    watched = eng.client._free[-batch]  # the slot the last request will take (admitted last)
+    clock = TokenClock(eng.shm.name, eng.geo, watched, clock_cpu)
+    for _ in range(batch):
+      prompt = [int(t) for t in rng.integers(3, cfg.vocab_size, FLAGS.prompt)]
+      slots.append(eng.client.submit(M.Request(prompt=prompt, max_tokens=FLAGS.tokens,
+                                               ignore_eos=True)))
+    assert slots[-1] == watched
+    t0 = time.perf_counter()
+    while any(not eng.client.poll(s).finished for s in slots):
+      time.sleep(0.01)
+      if time.perf_counter() - t0 > 300:
+        raise TimeoutError("requests did not finish")
+    clock.finish()
+  finally:
+    for p in procs:
+      p.kill()
+    for p in procs:
+      p.wait()
+  for s in slots:
+    eng.client.release(s)
+  iv = clock.intervals_ms()
+  return {"batch": batch, "interference": interference, **C.percentile_stats(iv, "tpot_ms")}
+
+
+def main(argv):
+  del argv
+  xla_flags.configure_command_buffers()
+  cpus = sorted(os.sched_getaffinity(0))
+  # The engine's own threads run on the shared cores (not the frontend's core).
+  if len(cpus) > 1:
+    os.sched_setaffinity(0, set(cpus[1:]))
+  n_int = 2 * len(cpus) if FLAGS.interference < 0 else FLAGS.interference
+  levels = [0] + ([n_int] if n_int else [])
+  rows, reports = [], {}
+  max_seqs = max(int(b) for b in FLAGS.batches)
+  for mode in FLAGS.modes:
+    t = time.perf_counter()
+    eng, cfg = build_engine(mode, max_seqs)
+    reports[mode] = {"loop_report": eng.loop_report,
+                     "startup_s": round(time.perf_counter() - t, 1)}
+    try:
+      for b in (int(x) for x in FLAGS.batches):
+        for lvl in levels:
+          row = {"mode": mode, **run_case(eng, cfg, b, lvl, cpus)}
+          print(row, flush=True)
+          rows.append(row)
+    finally:
+      eng.shutdown()
+      eng.region = None
+      eng.shm.close()
+      eng.shm.unlink()
+  # Interference / quiet ratios per mode and batch.
+  for r in rows:
+    quiet = next(q for q in rows if q["mode"] == r["mode"] and q["batch"] == r["batch"]
+                 and q["interference"] == 0)
+    for k in ("tpot_ms_p50", "tpot_ms_p99"):
+      if k in r and k in quiet:
+        r[k.replace("tpot_ms", "ratio")] = r[k] / quiet[k]
+  print(C.table(rows, ["mode", "batch", "interference", "tpot_ms_p50", "tpot_ms_p90",
+                       "tpot_ms_p99", "tpot_ms_mean", "ratio_p50", "ratio_p99", "tpot_ms_n"]))
+  C.write_result(FLAGS.out, "executor_latency", rows,
+                 {"config": FLAGS.config, "dtype": FLAGS.dtype, "prompt": FLAGS.prompt,
+                  "tokens": FLAGS.tokens, "modes": reports, "cpus": len(cpus)})
+
+
+if __name__ == "__main__":
+  app.run(main)
