@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Any
 
@@ -43,13 +44,19 @@ jax.tree_util.register_dataclass(Carry, data_fields=["state", "history", "page_t
                                                      "shutdown"], meta_fields=[])
 
 
+# Whether the FFI calls are marked side-effecting. They read and write the mailbox, but every
+# result is consumed by the next call, so data dependencies already order them; the flag is
+# kept switchable because XLA may refuse to put side-effecting calls into command buffers.
+FFI_SIDE_EFFECT = os.environ.get("BLINK_FFI_SIDE_EFFECT", "0") == "1"
+
+
 def schedule_call(cfg: F.SchedConfig, state, history, page_table):
   out = (jax.ShapeDtypeStruct(state.shape, jnp.int32),
          jax.ShapeDtypeStruct(history.shape, jnp.int32),
          jax.ShapeDtypeStruct(page_table.shape, jnp.int32),
          jax.ShapeDtypeStruct((F.batch_words(cfg),), jnp.int32))
   return jax.ffi.ffi_call("blink_schedule", out, input_output_aliases={0: 0, 1: 1, 2: 2},
-                          has_side_effect=True)(state, history, page_table, **cfg.attrs())
+                          has_side_effect=FFI_SIDE_EFFECT)(state, history, page_table, **cfg.attrs())
 
 
 def commit_call(cfg: F.SchedConfig, state, history, page_table, words, sampled, logprobs,
@@ -57,7 +64,7 @@ def commit_call(cfg: F.SchedConfig, state, history, page_table, words, sampled, 
   out = (jax.ShapeDtypeStruct(state.shape, jnp.int32),
          jax.ShapeDtypeStruct(history.shape, jnp.int32))
   return jax.ffi.ffi_call("blink_commit", out, input_output_aliases={0: 0, 1: 1},
-                          has_side_effect=True)(state, history, page_table, words, sampled,
+                          has_side_effect=FFI_SIDE_EFFECT)(state, history, page_table, words, sampled,
                                                 logprobs, top_ids, top_lps, **cfg.attrs())
 
 

@@ -195,7 +195,11 @@ class MailboxClient:
       if not self._free:
         raise SlotsFullError(f"all {len(self.slots)} slots of worker {self.worker} are busy")
       slot = self._free.pop()
-      seq = (self._seq[slot] + 1) & 0xFFFFFFFF or 1
+      # Next sequence number after the one in the slot: normally ours; if another writer used
+      # the slot meanwhile (a misconfigured second client), still never a seq whose output
+      # is already there (ABA).
+      current = int(self._request(slot)["seq"])
+      seq = (max(self._seq[slot], current) + 1) & 0xFFFFFFFF or 1
       self._seq[slot] = seq
       self._read[slot] = 0
       req = np.zeros((), P.REQUEST_DTYPE)
@@ -211,7 +215,7 @@ class MailboxClient:
       req["stop_ids"][:len(r.stop_ids)] = list(r.stop_ids)
       for k, v in (overrides or {}).items():
         req[k] = v
-      req["seq"] = self._request(slot)["seq"]  # unchanged until the payload is in place
+      req["seq"] = current  # unchanged until the payload is in place
       # Payload first (prompt, then the fixed fields), the sequence word last.
       self.region.write(g.prompt_offset(slot),
                         np.asarray(r.prompt, dtype=np.int64).astype("<i4").tobytes())

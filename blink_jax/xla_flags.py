@@ -37,7 +37,7 @@ def backend_started() -> bool:
 
 def configure_command_buffers() -> bool:
   """Adds the command-buffer flags to XLA_FLAGS; returns whether they will take effect."""
-  if not cuda_plugin_installed():
+  if not cuda_plugin_installed() or os.environ.get("BLINK_NO_COMMAND_BUFFERS") == "1":
     return False
   current = os.environ.get("XLA_FLAGS", "")
   missing = [f for f in COMMAND_BUFFER_FLAGS if f.split("=")[0] not in current]

@@ -26,6 +26,16 @@ if has tests; then
   timeout 420 python3 -m pytest -m gpu tests/test_scheduler_backends.py tests/test_engine_gpu.py \
     -q -s -p no:cacheprovider 2>&1 | tail -40 | tee -a "$OUT/log.txt"
 fi
+if has variants; then
+  log "loop cost variants: command-buffer flags x side-effecting FFI calls (1 lane)"
+  for se in 0 1; do for fl in on off; do
+    if [ $fl = off ]; then export BLINK_NO_COMMAND_BUFFERS=1; else unset BLINK_NO_COMMAND_BUFFERS; fi
+    BLINK_FFI_SIDE_EFFECT=$se timeout 120 python3 scripts/bench_sched.py --lanes 1,64 --slots 4096 \
+      --seconds 0.5 --repeats 3 --out /tmp/v_${se}_${fl}.json 2>&1 | grep -E "^(1|64) " \
+      | sed "s/^/side_effect=$se flags=$fl: /" | tee -a "$OUT/log.txt"
+  done; done
+  unset BLINK_NO_COMMAND_BUFFERS
+fi
 if has sched; then
   log "scheduler microbenchmark"
   timeout 300 python3 scripts/bench_sched.py --lanes 1,64,256 --slots 4096 --seconds 1 \
