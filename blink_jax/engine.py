@@ -204,9 +204,6 @@ class Engine:
              model.dtype, self.device, mode, max_seqs, kv_pages, page_size, list(buckets))
     carry = self.executor.initial_carry()
     self.compiled = self.executor.compile(carry, mode)
-    self.loop_report = X.device_while_report(self.compiled) if on_gpu else {
-        "device_while": False, "reason": "CPU: the loop runs in XLA's CPU runtime"}
-    log.info("loop on device: %s", self.loop_report)
 
     self.client = M.MailboxClient(self.region)
     self._lock = threading.Lock()
@@ -220,8 +217,25 @@ class Engine:
     self._poll_thread = threading.Thread(target=self._poll, name="blink-poll", daemon=True)
     self._set_engine_state(P.EngineState.READY)
     _LIVE_ENGINES.add(self)
+    self._loop_started = threading.Event()
     self._loop_thread.start()
     self._poll_thread.start()
+    self.loop_report = self._check_loop_driver(on_gpu)
+    log.info("serving loop: %s", self.loop_report)
+
+  def _check_loop_driver(self, on_gpu: bool) -> dict:
+    from blink_jax import executor as X
+    if self.mode == "host":
+      return {"device_while": False, "reason": "host mode: Python drives every step"}
+    if not on_gpu:
+      return {"device_while": False, "reason": "CPU backend: the loop runs in XLA's CPU runtime"}
+    self._loop_started.wait(60)
+    time.sleep(0.2)
+    report = X.measure_loop_driver(self._loop_tid, lambda: self.stats()["loop_iterations"])
+    if not report["device_while"]:
+      log.warning("the serving loop is driven by the host CPU (no device-side WHILE node): "
+                  "%s; latency will suffer under CPU load", report)
+    return report
 
   # ---- construction from a checkpoint ----
   @classmethod
@@ -248,6 +262,8 @@ class Engine:
     self.region.write(off, int(s).to_bytes(4, "little"))
 
   def _run_loop(self, carry) -> None:
+    self._loop_tid = threading.get_native_id()
+    self._loop_started.set()
     try:
       if self.mode == "persistent":
         self._final_carry = self.executor.run_persistent(carry, self.compiled)

@@ -80,8 +80,19 @@ class Executor:
     self.device = device or jax.devices()[0]
     self.graphdef, params = nnx.split(model)
     self.params = jax.device_put(params, self.device)
+    # Zero outputs for empty steps and requests without logprobs, made once: a zero-fill
+    # inside the loop would be a memset, which XLA cannot capture into a CUDA graph.
+    n, k = sched.max_seqs, max_top_logprobs
+    self.zeros = jax.device_put((np.zeros((n,), np.int32), np.zeros((n,), np.float32),
+                                 np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)),
+                                self.device)
     self._step = jax.jit(self._step_fn, donate_argnums=(1,))
     self._loop = jax.jit(self._loop_fn, donate_argnums=(1,))
+
+  @property
+  def inputs(self):
+    """The loop's read-only inputs: weights and the zero outputs."""
+    return (self.params, self.zeros)
 
   # ---- state ----
   def initial_carry(self) -> Carry:
@@ -100,6 +111,7 @@ class Executor:
     samples = min(rows, s.max_seqs)
 
     def run(params, words, page_table, kv):
+      params, zeros = params
       model = nnx.merge(self.graphdef, params)
       b = B.split(words, s.token_budget, s.max_seqs, rows, samples)
       hidden, kv = model.forward(b.tokens, b.positions, b.seq_ids, page_table, kv)
@@ -107,7 +119,9 @@ class Executor:
       logits = model.logits(h)
       f32 = lambda bits: lax.bitcast_convert_type(bits, jnp.float32)
       tok, lp, tid, tlp = sample(logits, f32(b.temperature), f32(b.top_p), b.top_k, b.seed_lo,
-                                 b.seed_hi, b.position, b.num_logprobs, max_top=max_top)
+                                 b.seed_hi, b.position, b.num_logprobs,
+                                 (zeros[1][:samples], zeros[2][:samples], zeros[3][:samples]),
+                                 max_top=max_top)
       pad = s.max_seqs - samples
       return (jnp.pad(tok, (0, pad)), jnp.pad(lp, (0, pad)), jnp.pad(tid, ((0, pad), (0, 0))),
               jnp.pad(tlp, ((0, pad), (0, 0))), kv)
@@ -115,9 +129,7 @@ class Executor:
     return run
 
   def _empty_branch(self, params, words, page_table, kv):
-    n, k = self.sched.max_seqs, self.max_top
-    return (jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.float32),
-            jnp.zeros((n, k), jnp.int32), jnp.zeros((n, k), jnp.float32), kv)
+    return (*params[1], kv)
 
   def _step_fn(self, params, c: Carry) -> Carry:
     s = self.sched
@@ -136,7 +148,7 @@ class Executor:
     """AOT-compiles the loop (persistent) or the step (host); returns the compiled object."""
     fn = self._loop if mode == "persistent" else self._step
     t0 = time.perf_counter()
-    compiled = fn.lower(self.params, carry).compile()
+    compiled = fn.lower(self.inputs, carry).compile()
     log.info("compiled %s %s in %.1f s", mode, "loop" if mode == "persistent" else "step",
              time.perf_counter() - t0)
     return compiled
@@ -144,26 +156,35 @@ class Executor:
   def run_persistent(self, carry: Carry, compiled=None) -> Carry:
     """Runs until the shutdown word is set; returns the final carry."""
     fn = compiled or self._loop
-    return jax.block_until_ready(fn(self.params, carry))
+    return jax.block_until_ready(fn(self.inputs, carry))
 
   def run_host(self, carry: Carry, compiled=None, on_step=None) -> Carry:
     """Host-driven: Python launches every step and waits for it (the conventional design)."""
     fn = compiled or self._step
     while True:
-      carry = fn(self.params, carry)
+      carry = fn(self.inputs, carry)
       if int(carry.shutdown):  # waits for the step, as serving loops that read tokens do
         return carry
       if on_step is not None:
         on_step(carry)
 
 
-def device_while_report(compiled) -> dict[str, Any]:
-  """Whether the compiled loop runs as a device-side WHILE node (inspects the HLO)."""
-  try:
-    text = compiled.as_text()
-  except Exception as e:  # pragma: no cover - depends on the jax version
-    return {"device_while": None, "reason": f"no HLO text: {e}"}
-  has_while = " while(" in text or "while(" in text
-  in_cmd_buffer = "command_buffer" in text
-  return {"device_while": bool(has_while and in_cmd_buffer), "hlo_has_while": has_while,
-          "hlo_has_command_buffer": in_cmd_buffer}
+def thread_cpu_seconds(native_id: int) -> float:
+  """CPU time a thread of this process has used (Linux /proc)."""
+  with open(f"/proc/self/task/{native_id}/stat") as f:
+    fields = f.read().rsplit(")", 1)[1].split()
+  return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure_loop_driver(native_id: int, iterations, seconds: float = 0.5) -> dict:
+  """Whether the serving loop runs on the device: a host-driven XLA while loop costs its
+  launching thread CPU time on every iteration; a device-side WHILE node costs none."""
+  c0, i0, t0 = thread_cpu_seconds(native_id), iterations(), time.perf_counter()
+  time.sleep(seconds)
+  c1, i1, t1 = thread_cpu_seconds(native_id), iterations(), time.perf_counter()
+  n = max(i1 - i0, 1)
+  cpu_us = (c1 - c0) / n * 1e6
+  return {"device_while": bool(i1 > i0 and cpu_us < 1.0),
+          "loop_thread_cpu_us_per_iteration": round(cpu_us, 2),
+          "loop_thread_cpu_share": round((c1 - c0) / (t1 - t0), 3),
+          "iterations_per_s": round((i1 - i0) / (t1 - t0), 1)}

@@ -11,8 +11,12 @@ import os
 
 log = logging.getLogger("blink_jax")
 
+COMMAND_TYPES = os.environ.get(
+    "BLINK_COMMAND_BUFFER_TYPES",
+    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION,"
+    "DYNAMIC_SLICE_COPY_FUSION")
 COMMAND_BUFFER_FLAGS = (
-    "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL",
+    f"--xla_gpu_enable_command_buffer={COMMAND_TYPES}",
     "--xla_gpu_graph_min_graph_size=1",
 )
 

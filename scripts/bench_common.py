@@ -51,18 +51,6 @@ def percentile_stats(values, name: str) -> dict:
           f"{name}_n": int(v.size)}
 
 
-def while_report(compiled) -> dict:
-  """Whether the loop became a device WHILE node; BLINK_HLO_DUMP=path keeps the evidence."""
-  from blink_jax.executor import device_while_report
-  dump = os.environ.get("BLINK_HLO_DUMP")
-  if dump:
-    lines = [l for l in compiled.as_text().splitlines()
-             if "while" in l or "command_buffer" in l or "custom_call_target" in l]
-    with open(dump, "a") as f:
-      f.write("\n".join(lines[:400]) + "\n----\n")
-  return device_while_report(compiled)
-
-
 def table(rows: list[dict], cols: list[str]) -> str:
   def fmt(x):
     if isinstance(x, float):

@@ -43,10 +43,11 @@ def _loop(cfg: F.SchedConfig):
     # Stub sampler: token = (position * 7) % vocab for each sample (no EOS: ignore_eos).
     pos = words[B.HEADER_WORDS + 3 * cfg.token_budget + 7 * cfg.max_seqs:][:cfg.max_seqs]
     tok = (pos * 7 + 3) % cfg.vocab_size
-    z = jnp.zeros((cfg.max_seqs,), jnp.float32)
-    state, hist = commit_call(cfg, state, hist, pt, words, tok.astype(jnp.int32), z,
-                              jnp.zeros((cfg.max_seqs, 0), jnp.int32),
-                              jnp.zeros((cfg.max_seqs, 0), jnp.float32))
+    # The logprob inputs are the sampled positions reinterpreted (a zero-fill would be a
+    # memset, which XLA cannot capture in a CUDA graph); no request asks for logprobs.
+    lp = lax.bitcast_convert_type(pos, jnp.float32)
+    state, hist = commit_call(cfg, state, hist, pt, words, tok.astype(jnp.int32), lp,
+                              pos[:, None][:, :0], lp[:, None][:, :0])
     return state, hist, pt, words[B.SHUTDOWN]
 
   return jax.jit(lambda s, h, p: lax.while_loop(lambda c: c[3] == 0, body,
@@ -105,12 +106,16 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int) -> dict:
   out = {}
 
   def run():
+    out["tid"] = threading.get_native_id()
     out["carry"] = jax.block_until_ready(compiled(state, hist, pt))
     done.set()
 
   th = threading.Thread(target=run, daemon=True)
   th.start()
   time.sleep(0.5)  # admission and warm-up
+  from blink_jax.executor import measure_loop_driver
+  driver = measure_loop_driver(out["tid"],
+                               lambda: int(M.read_header(engine_region)["loop_iterations"]))
   per_iter = []
   for _ in range(repeats):
     h0, t0 = M.read_header(engine_region), time.perf_counter()
@@ -128,7 +133,7 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int) -> dict:
   result.update(lanes=lanes, slots=slots, running=int(h1["running"]),
                 errored=int(h1["requests_errored"]), admitted=int(h1["requests_admitted"]),
                 finished=int(h1["requests_finished"]), cancelled=int(h1["requests_cancelled"]),
-                device_while=C.while_report(compiled))
+                **driver)
   return result
 
 
@@ -137,7 +142,8 @@ def main(argv):
   xla_flags.configure_command_buffers()
   rows = [measure(int(n), FLAGS.slots, FLAGS.seconds, FLAGS.repeats) for n in FLAGS.lanes]
   print(C.table(rows, ["lanes", "slots", "running", "us_per_step_median", "us_per_step_min",
-                       "us_per_step_max", "tokens_per_iteration"]))
+                       "us_per_step_max", "tokens_per_iteration", "device_while",
+                       "loop_thread_cpu_us_per_iteration"]))
   C.write_result(FLAGS.out, "sched_step", rows)
 
 
