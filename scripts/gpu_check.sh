@@ -26,15 +26,28 @@ if has tests; then
   timeout 420 python3 -m pytest -m gpu tests/test_scheduler_backends.py tests/test_engine_gpu.py \
     -q -s -p no:cacheprovider 2>&1 | tail -40 | tee -a "$OUT/log.txt"
 fi
-if has variants; then
-  log "loop cost variants: command-buffer flags x side-effecting FFI calls (1 lane)"
-  for se in 0 1; do for fl in on off; do
-    if [ $fl = off ]; then export BLINK_NO_COMMAND_BUFFERS=1; else unset BLINK_NO_COMMAND_BUFFERS; fi
-    BLINK_FFI_SIDE_EFFECT=$se timeout 120 python3 scripts/bench_sched.py --lanes 1,64 --slots 4096 \
-      --seconds 0.5 --repeats 3 --out /tmp/v_${se}_${fl}.json 2>&1 | grep -E "^(1|64) " \
-      | sed "s/^/side_effect=$se flags=$fl: /" | tee -a "$OUT/log.txt"
-  done; done
-  unset BLINK_NO_COMMAND_BUFFERS
+if has diag; then
+  log "why XLA does or does not build a device WHILE (VLOG of the command-buffer pass)"
+  TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 timeout 150 \
+    python3 scripts/bench_sched.py --lanes 4 --slots 64 --seconds 0.3 --repeats 1 \
+    --out /tmp/diag.json > "$OUT/vlog_sched.txt" 2>&1
+  grep -E "^(4) " "$OUT/vlog_sched.txt" | tee -a "$OUT/log.txt"
+  grep -oE "(Unsupported thunk kind|lowering is not enabled|not lowered)[^\"]*" "$OUT/vlog_sched.txt" \
+    | sort | uniq -c | head -20 | tee -a "$OUT/log.txt"
+  TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 timeout 200 python3 -c "
+import jax.numpy as jnp
+from blink_jax import Engine, SamplingParams
+from blink_jax.config import tiny_config
+from blink_jax.model import Gemma
+with Engine(Gemma(tiny_config('gemma3', vocab_size=512), dtype=jnp.float32), None, max_seqs=4,
+            page_size=4, max_context=128, buckets=(4, 16), max_top_logprobs=2) as e:
+  print('ENGINE LOOP', e.loop_report)
+  print(e.generate(prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4)).token_ids)
+" > "$OUT/vlog_engine.txt" 2>&1
+  grep "ENGINE LOOP" "$OUT/vlog_engine.txt" | tee -a "$OUT/log.txt"
+  grep -oE "(Unsupported thunk kind|lowering is not enabled|not lowered)[^\"]*" "$OUT/vlog_engine.txt" \
+    | sort | uniq -c | head -20 | tee -a "$OUT/log.txt"
+  gzip -f "$OUT/vlog_sched.txt" "$OUT/vlog_engine.txt"
 fi
 if has sched; then
   log "scheduler microbenchmark"
@@ -45,7 +58,7 @@ if has sched; then
 fi
 if has executor; then
   log "executor latency (Gemma 3 1B shape, bf16)"
-  timeout 560 python3 scripts/bench_executor.py --config gemma3-1b --batches 1,64 \
+  timeout ${EXEC_TIMEOUT:-400} python3 scripts/bench_executor.py --config gemma3-1b --batches 1,64 \
     --prompt 1024 --tokens 128 --out bench/results/executor_latency_h200.json 2>&1 \
     | grep -v "^[IW]1" | tail -25 | tee -a "$OUT/log.txt"
   cp bench/results/executor_latency_h200.json "$OUT/" 2>/dev/null
