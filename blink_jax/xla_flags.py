@@ -13,8 +13,7 @@ log = logging.getLogger("blink_jax")
 
 COMMAND_TYPES = os.environ.get(
     "BLINK_COMMAND_BUFFER_TYPES",
-    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION,"
-    "DYNAMIC_SLICE_COPY_FUSION")
+    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL")
 COMMAND_BUFFER_FLAGS = (
     f"--xla_gpu_enable_command_buffer={COMMAND_TYPES}",
     "--xla_gpu_graph_min_graph_size=1",

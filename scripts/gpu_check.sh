@@ -35,6 +35,8 @@ if has diag; then
   grep -oE "(Unsupported thunk kind|lowering is not enabled|not lowered)[^\"]*" "$OUT/vlog_sched.txt" \
     | sort | uniq -c | head -20 | tee -a "$OUT/log.txt"
   TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 timeout 200 python3 -c "
+from blink_jax.xla_flags import configure_command_buffers
+configure_command_buffers()
 import jax.numpy as jnp
 from blink_jax import Engine, SamplingParams
 from blink_jax.config import tiny_config
