@@ -220,22 +220,11 @@ class Engine:
     self._loop_started = threading.Event()
     self._loop_thread.start()
     self._poll_thread.start()
-    self.loop_report = self._check_loop_driver(on_gpu)
-    log.info("serving loop: %s", self.loop_report)
-
-  def _check_loop_driver(self, on_gpu: bool) -> dict:
-    from blink_jax import executor as X
-    if self.mode == "host":
-      return {"device_while": False, "reason": "host mode: Python drives every step"}
-    if not on_gpu:
-      return {"device_while": False, "reason": "CPU backend: the loop runs in XLA's CPU runtime"}
-    self._loop_started.wait(60)
-    time.sleep(0.2)
-    report = X.measure_loop_driver(self._loop_tid, lambda: self.stats()["loop_iterations"])
-    if not report["device_while"]:
-      log.warning("the serving loop is driven by the host CPU (no device-side WHILE node): "
-                  "%s; latency will suffer under CPU load", report)
-    return report
+    self.loop_report = self.executor.loop_report
+    log.info("serving loop on the device: %s", self.loop_report)
+    if on_gpu and mode == "persistent" and not self.loop_report.get("device_while"):
+      log.warning("the serving loop is NOT a device-side WHILE node, the host CPU drives every "
+                  "iteration (latency will suffer under CPU load): %s", self.loop_report)
 
   # ---- construction from a checkpoint ----
   @classmethod

@@ -11,9 +11,12 @@ conventional design of JetStream and vLLM); the baseline every benchmark compare
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import re
+import sys
 import time
 from typing import Any
 
@@ -148,7 +151,11 @@ class Executor:
     """AOT-compiles the loop (persistent) or the step (host); returns the compiled object."""
     fn = self._loop if mode == "persistent" else self._step
     t0 = time.perf_counter()
-    compiled = fn.lower(self.inputs, carry).compile()
+    lowered = fn.lower(self.inputs, carry)
+    with capture_stderr() as log_text:
+      compiled = lowered.compile()
+    self.compile_log = log_text()
+    self.loop_report = command_buffer_report(compiled, self.compile_log, self.device, mode)
     log.info("compiled %s %s in %.1f s", mode, "loop" if mode == "persistent" else "step",
              time.perf_counter() - t0)
     return compiled
@@ -167,6 +174,52 @@ class Executor:
         return carry
       if on_step is not None:
         on_step(carry)
+
+
+@contextlib.contextmanager
+def capture_stderr():
+  """Captures what native code writes to fd 2 (XLA's logs) and passes it through afterwards."""
+  import tempfile
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile(mode="w+b") as tmp:
+    os.dup2(tmp.fileno(), 2)
+    text = {"value": ""}
+    try:
+      yield lambda: text["value"]
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      tmp.seek(0)
+      text["value"] = tmp.read().decode(errors="replace")
+      kept = [l for l in text["value"].splitlines() if "command_buffer_conversion_pass" not in l]
+      if kept:
+        sys.stderr.write("\n".join(kept[-50:]) + "\n")
+
+
+def command_buffer_report(compiled, compile_log: str, device, mode: str) -> dict:
+  """Whether XLA put the serving loop's top-level while into a command buffer (a CUDA graph
+  with a device-side WHILE node), read from XLA's own log of the conversion."""
+  if mode != "persistent":
+    return {"device_while": False, "reason": "host mode: Python drives every step"}
+  if device.platform != "gpu":
+    return {"device_while": False, "reason": "CPU backend: the loop runs in XLA's CPU runtime"}
+  text = compiled.as_text()
+  entry = text[text.find("ENTRY"):]
+  m = re.search(r"(while(?:\.\d+)?) = .* while\(", entry)
+  if m is None:
+    return {"device_while": None, "reason": "no while loop in the entry computation"}
+  name = m.group(1)
+  lines = [l for l in compile_log.splitlines() if "Creating command buffer thunk" in l]
+  if not lines and "command_buffer_conversion_pass" not in os.environ.get("TF_CPP_VMODULE", ""):
+    return {"device_while": None, "loop": name,
+            "reason": "XLA's conversion log is off (call xla_flags.configure_command_buffers() "
+                      "before JAX starts)"}
+  hit = [l for l in lines if re.search(rf"\b{re.escape(name)}\b", l.split("thunks:")[-1])]
+  return {"device_while": bool(hit), "loop": name,
+          "evidence": hit[0].split("] ")[-1][:200] if hit else
+          f"{len(lines)} command buffers, none holds {name}"}
 
 
 def thread_cpu_seconds(native_id: int) -> float:

@@ -13,7 +13,7 @@ log = logging.getLogger("blink_jax")
 
 COMMAND_TYPES = os.environ.get(
     "BLINK_COMMAND_BUFFER_TYPES",
-    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL")
+    "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,WHILE,CONDITIONAL")
 COMMAND_BUFFER_FLAGS = (
     f"--xla_gpu_enable_command_buffer={COMMAND_TYPES}",
     "--xla_gpu_graph_min_graph_size=1",
@@ -52,4 +52,11 @@ def configure_command_buffers() -> bool:
                 "any other JAX work, or set XLA_FLAGS=%s", " ".join(COMMAND_BUFFER_FLAGS))
     return False
   os.environ["XLA_FLAGS"] = " ".join([current, *missing]).strip()
+  # XLA logs which thunks it puts into command buffers at this verbosity; the executor reads
+  # those lines while compiling to report whether the serving loop became a device WHILE.
+  vmodule = os.environ.get("TF_CPP_VMODULE", "")
+  if "command_buffer_conversion_pass" not in vmodule:
+    os.environ["TF_CPP_VMODULE"] = ",".join(
+        [m for m in (vmodule, "command_buffer_conversion_pass=2") if m])
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0")
   return True

@@ -191,8 +191,11 @@ def main(argv):
   for mode in FLAGS.modes:
     t = time.perf_counter()
     eng, cfg = build_engine(mode, max_seqs)
-    reports[mode] = {"loop_report": eng.loop_report,
+    blockers = sorted({l.split("] ")[-1] for l in eng.executor.compile_log.splitlines()
+                       if "Unsupported thunk kind" in l or "not enabled by the user" in l})
+    reports[mode] = {"loop_report": eng.loop_report, "command_buffer_blockers": blockers[:12],
                      "startup_s": round(time.perf_counter() - t, 1)}
+    print(mode, reports[mode], flush=True)
     try:
       for b in (int(x) for x in FLAGS.batches):
         for lvl in levels:

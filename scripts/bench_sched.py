@@ -97,7 +97,10 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int) -> dict:
   state = jax.device_put(F.initial_state(cfg), dev)
   hist = jax.device_put(np.zeros((lanes, ctx), np.int32), dev)
   pt = jax.device_put(np.zeros((lanes, cfg.max_pages_per_seq), np.int32), dev)
-  compiled = loop.lower(state, hist, pt).compile()
+  from blink_jax.executor import capture_stderr, command_buffer_report
+  with capture_stderr() as log_text:
+    compiled = loop.lower(state, hist, pt).compile()
+  driver = command_buffer_report(compiled, log_text(), dev, "persistent")
   stop = threading.Event()
   drainer = threading.Thread(target=_drain, args=(client, engine_region, geo, stop), daemon=True)
   drainer.start()
@@ -113,9 +116,6 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int) -> dict:
   th = threading.Thread(target=run, daemon=True)
   th.start()
   time.sleep(0.5)  # admission and warm-up
-  from blink_jax.executor import measure_loop_driver
-  driver = measure_loop_driver(out["tid"],
-                               lambda: int(M.read_header(engine_region)["loop_iterations"]))
   per_iter = []
   for _ in range(repeats):
     h0, t0 = M.read_header(engine_region), time.perf_counter()
@@ -142,8 +142,7 @@ def main(argv):
   xla_flags.configure_command_buffers()
   rows = [measure(int(n), FLAGS.slots, FLAGS.seconds, FLAGS.repeats) for n in FLAGS.lanes]
   print(C.table(rows, ["lanes", "slots", "running", "us_per_step_median", "us_per_step_min",
-                       "us_per_step_max", "tokens_per_iteration", "device_while",
-                       "loop_thread_cpu_us_per_iteration"]))
+                       "us_per_step_max", "tokens_per_iteration", "device_while"]))
   C.write_result(FLAGS.out, "sched_step", rows)
 
 
