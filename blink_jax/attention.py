@@ -91,4 +91,10 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     out = jnp.einsum("kgl,lkh->kgh", probs, v)
     return out.reshape(num_heads, head_dim).astype(q.dtype)
 
-  return jax.lax.map(one_token, (q, seq_ids, positions), batch_size=TOKEN_BLOCK)
+  # Static blocks of TOKEN_BLOCK tokens bound the gathered K/V copies. Not lax.map: its scan
+  # zero-fills an output buffer (a memset), which keeps XLA from capturing the serving loop
+  # in a CUDA graph.
+  outs = [jax.vmap(one_token)((q[i:i + TOKEN_BLOCK], seq_ids[i:i + TOKEN_BLOCK],
+                               positions[i:i + TOKEN_BLOCK]))
+          for i in range(0, q.shape[0], TOKEN_BLOCK)]
+  return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)

@@ -54,6 +54,7 @@ def configure_command_buffers() -> bool:
   os.environ["XLA_FLAGS"] = " ".join([current, *missing]).strip()
   # XLA logs which thunks it puts into command buffers at this verbosity; the executor reads
   # those lines while compiling to report whether the serving loop became a device WHILE.
+  # (Only effective when set before jaxlib loads, i.e. before `import jax`.)
   vmodule = os.environ.get("TF_CPP_VMODULE", "")
   if "command_buffer_conversion_pass" not in vmodule:
     os.environ["TF_CPP_VMODULE"] = ",".join(

@@ -400,6 +400,12 @@ def parse_chat(body: Any, limits: Limits, tokenizer) -> GenRequest:
     raise bad("top_logprobs", f"'top_logprobs' must be <= {limits.max_top_logprobs} on this "
                               f"server, got {top}")
   c["max_tokens"] = _max_tokens([ids], c["max_tokens"], None, limits, "messages")
+  # The model's turn ends with <end_of_turn>: stop there even if the engine's EOS list only
+  # has <eos> (a base checkpoint's generation config).
+  eot = getattr(tokenizer, "end_of_turn_id", None)
+  if (eot is not None and not c["ignore_eos"] and eot not in c["stop_token_ids"]
+      and len(c["stop_token_ids"]) < P.MAX_STOP_IDS):
+    c["stop_token_ids"] = [*c["stop_token_ids"], eot]
   return GenRequest(prompts=[ids], logprobs=lp, top_logprobs=top or 0, **c)
 
 

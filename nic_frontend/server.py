@@ -147,10 +147,6 @@ class MailboxDriver:
   def in_flight(self) -> int:
     return len(self._active)
 
-  @property
-  def limits_source(self) -> dict | None:
-    return self.header
-
   def new_request_id(self) -> int:
     return (self.worker << 48) | (next(self._ids) & ((1 << 48) - 1))
 
@@ -491,7 +487,8 @@ class Frontend:
   # ---- simple endpoints ----
   async def health(self, request: web.Request) -> web.Response:
     d = self.driver
-    body = {"status": "ok" if d.state == P.EngineState.READY and not self.draining else "unavailable",
+    ok = d.state == P.EngineState.READY and d.client is not None and not self.draining
+    body = {"status": "ok" if ok else "unavailable",
             "engine_state": STATE_NAMES.get(d.state, "unreachable") if d.state is not None
             else "unreachable",
             "worker": self.cfg.worker, "slots_total": d.slots_total,
@@ -677,7 +674,9 @@ class _Run:
   @staticmethod
   def _api_error(e: Exception) -> api.ApiError:
     if isinstance(e, DeviceError):
-      return api.ApiError(400, f"the engine rejected the request: {e}", code="invalid_value")
+      if e.finish == P.Finish.ERROR:
+        return api.ApiError(400, f"the engine rejected the request: {e}", code="invalid_value")
+      return api.ApiError(500, str(e), code="engine_cancelled")
     return api.ApiError(503, str(e), type="service_unavailable", code="engine_unavailable")
 
   # ---- non-streaming ----
@@ -716,14 +715,16 @@ class _Run:
     resp: web.StreamResponse | None = None
     try:
       remaining = len(self.choices)
+      failed = False
       while remaining:
         c, piece, lp, err = await queue.get()
         if err is not None:
           self.abandon_reason = "error"
           if resp is None:  # nothing sent yet: a plain HTTP error
             raise self._api_error(err)
-          await self._send(resp, {"error": self._api_error(err).body()["error"]})
-          remaining = 0
+          # Mid-stream: an error event in OpenAI's schema, then the end of the stream.
+          await self._send(resp, self._api_error(err).body())
+          failed = True
           break
         if resp is None:
           resp = await self._open(request)
@@ -732,10 +733,11 @@ class _Run:
           remaining -= 1
       if resp is None:
         resp = await self._open(request)
-      usage = self._finish_metrics()
-      if g.include_usage:
-        await self._send(resp, api.chunk(g.kind, self.rid, self.created, g.model, [], True,
-                                         usage))
+      if not failed:
+        usage = self._finish_metrics()
+        if g.include_usage:
+          await self._send(resp, api.chunk(g.kind, self.rid, self.created, g.model, [], True,
+                                           usage))
       await resp.write(b"data: [DONE]\n\n")
       await resp.write_eof()
       return resp

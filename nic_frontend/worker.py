@@ -47,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="on SIGTERM, how long requests in flight may take to finish")
   p.add_argument("--ready-file", default=None,
                  help="written (JSON: host, port, pid, worker) once the server listens")
+  p.add_argument("--parent-pid", type=int, default=None,
+                 help="shut down when this process (the engine host's supervisor) is gone")
   p.add_argument("--log-level", default="INFO")
   return p.parse_args(argv)
 
@@ -87,7 +89,12 @@ async def serve(args: argparse.Namespace) -> int:
   loop = asyncio.get_running_loop()
   for sig in (signal.SIGTERM, signal.SIGINT):
     loop.add_signal_handler(sig, stop.set)
+  watchdog = None
+  if args.parent_pid:
+    watchdog = asyncio.create_task(_watch_parent(args.parent_pid, stop))
   await stop.wait()
+  if watchdog is not None:
+    watchdog.cancel()
   log.info("worker %d: shutting down (grace %.1fs, %d handlers in flight)", args.worker,
            args.grace_s, fe._handlers_in_flight)
   await site.stop()  # no new connections
@@ -98,6 +105,17 @@ async def serve(args: argparse.Namespace) -> int:
   if hasattr(region, "close"):
     region.close()
   return 0
+
+
+async def _watch_parent(pid: int, stop: asyncio.Event, every_s: float = 0.5) -> None:
+  """Sets `stop` when the supervising process dies (a SIGKILLed serve.py must not leave
+  workers serving a mailbox nobody drives)."""
+  while not stop.is_set():
+    if os.getppid() != pid:
+      log.error("the supervising process %d is gone; shutting down", pid)
+      stop.set()
+      return
+    await asyncio.sleep(every_s)
 
 
 def main(argv=None) -> int:

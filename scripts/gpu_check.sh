@@ -6,7 +6,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/blink_gpu_out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD BLINK_HLO_DUMP=$OUT/hlo_loop.txt
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+# XLA reads its log verbosity when it loads: the executor's device-loop report needs this line.
+export TF_CPP_VMODULE=command_buffer_conversion_pass=2 TF_CPP_MIN_LOG_LEVEL=0
 parts=${*:-all}
 log() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$OUT/log.txt"; }
 has() { [[ " $parts " == *" $1 "* || " $parts " == *" all "* ]]; }

@@ -134,7 +134,8 @@ class Serving:
            "--tokenizer", str(self.engine.tokenizer_path), "--model-name",
            self.engine.model_name, "--worker", str(w), "--num-workers", str(o.workers),
            "--host", o.host, "--port", str(o.port), "--grace-s", str(o.grace_s),
-           "--max-body-bytes", str(o.max_body_bytes), "--ready-file", str(ready)]
+           "--max-body-bytes", str(o.max_body_bytes), "--ready-file", str(ready),
+           "--parent-pid", str(os.getpid())]
     if o.workers > 1:
       cmd.append("--reuse-port")
     for name in o.served_model_names:

@@ -258,6 +258,9 @@ def test_chat(stack):
   assert msg.role == "assistant" and msg.content == text
   assert r.choices[0].finish_reason == why and r.usage.prompt_tokens == plen
   assert r.usage.completion_tokens == n
+  # The turn ends at <end_of_turn> whatever the engine's EOS list.
+  rec = stack.device.find_requests(prompt=stack.tok.apply_chat_template(messages))[-1]
+  assert rec["stop_ids"] == [stack.tok.end_of_turn_id]
   # Without a token limit the reply may fill the context: it ends at the story's <eos>.
   r = stack.client().chat.completions.create(model=MODEL, messages=messages)
   assert r.choices[0].finish_reason == "stop"
@@ -616,6 +619,14 @@ def test_http_level_errors(stack):
   # Oversized body: 413, whether announced by Content-Length or not.
   big = json.dumps({**OK_C, "prompt": "x" * (MAX_BODY + 10)})
   _check_error(*stack.http("POST", "/v1/completions", big), 413, code="request_too_large")
+  conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
+  conn.request("POST", "/v1/completions", body=iter([big[:1000].encode(), big[1000:].encode()]),
+               headers={"Content-Type": "application/json",
+                        "Authorization": f"Bearer {API_KEY}"}, encode_chunked=True)
+  r = conn.getresponse()
+  _check_error(r.status, dict(r.getheaders()), json.loads(r.read()), 413,
+               code="request_too_large")
+  conn.close()
   # Unknown route, wrong method.
   _check_error(*stack.http("GET", "/v1/nothing"), 404)
   _check_error(*stack.http("GET", "/v1/completions"), 405)
@@ -725,6 +736,26 @@ def test_engine_stopping_ends_requests_in_flight(stack, device_control):
   asyncio.run(main())
   device_control.set_state(P.EngineState.READY)
   device_control.resume()
+  wait_until(lambda: stack.metric("blink_frontend_slots_in_use", worker="0") == 0, 10,
+             what="the slot back")
+  wait_until(lambda: stack.http("GET", "/health")[0] == 200, 10, what="READY again")
+  # A stream that already began ends with an error event, then [DONE].
+  device_control.step_delay_s = 0.005
+  conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
+  conn.request("POST", "/v1/completions",
+               body=json.dumps({**OK_C, "max_tokens": 200, "ignore_eos": True, "stream": True}),
+               headers={"Content-Type": "application/json",
+                        "Authorization": f"Bearer {API_KEY}"})
+  r = conn.getresponse()
+  assert r.status == 200 and r.readline().startswith(b"data: {")
+  device_control.set_state(P.EngineState.STOPPED)
+  rest = r.read().decode()
+  conn.close()
+  events = [b[len("data: "):] for b in rest.split("\n\n") if b.startswith("data: ")]
+  assert events[-1] == "[DONE]"
+  err = json.loads(events[-2])["error"]
+  assert err["code"] == "engine_unavailable" and "stopped" in err["message"]
+  device_control.set_state(P.EngineState.READY)
   wait_until(lambda: stack.metric("blink_frontend_slots_in_use", worker="0") == 0, 10,
              what="the slot back")
 
@@ -850,8 +881,11 @@ def test_serve_two_workers_share_a_port(tokenizer_path, tmp_path, transport):
 
     async def race():
       task = asyncio.create_task(slow())
-      await asyncio.sleep(0.2)
-      await asyncio.get_running_loop().run_in_executor(None, server.stop)
+      loop = asyncio.get_running_loop()
+      await loop.run_in_executor(None, lambda: wait_until(
+          lambda: engine.device.header()["tokens_generated"] > 24 * 4 + 5, 10,
+          what="the slow request generating"))
+      await loop.run_in_executor(None, server.stop)
       return await task
 
     r = asyncio.run(race())
@@ -869,3 +903,43 @@ def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+  except FileNotFoundError:
+    return False
+
+
+def test_worker_exits_when_its_supervisor_dies(tokenizer_path, tmp_path):
+  """A worker must not keep serving a mailbox when serve.py was killed outright."""
+  dc = FD.DeviceConfig(num_slots=4)
+  region = shm.create_region(None, dc.geometry.total_bytes)
+  from blink_jax import mailbox as M
+  M.init_header(region, dc.geometry, vocab_size=320, max_context=dc.max_context, num_workers=1,
+                eos_id=1)
+  ready = tmp_path / "ready.json"
+  code = (
+      "import os, subprocess, sys, time\n"
+      "p = subprocess.Popen([sys.executable, '-m', 'nic_frontend.worker', '--shm-name', "
+      f"{region.name!r}, '--tokenizer', {str(tokenizer_path)!r}, '--model-name', 'm', "
+      f"'--port', '0', '--ready-file', {str(ready)!r}, '--parent-pid', str(os.getpid())], "
+      "start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+      "print(p.pid, flush=True)\n"
+      "time.sleep(600)\n")
+  sup = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
+                         text=True)
+  try:
+    worker = int(sup.stdout.readline())
+    wait_until(ready.exists, 30, 0.02, "the worker")
+    assert _alive(worker)
+    sup.kill()
+    sup.wait()
+    wait_until(lambda: not _alive(worker), 15, 0.05, "the orphaned worker to exit")
+  finally:
+    if sup.poll() is None:
+      sup.kill()
+    region.close()
+    region.unlink()

@@ -9,7 +9,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from blink_jax import mailbox as M

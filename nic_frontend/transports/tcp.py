@@ -139,8 +139,9 @@ class TcpRelayServer:
     return f"{self.host}:{self.port}"
 
   def start(self) -> "TcpRelayServer":
-    self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
-                                    name="blink-tcp-relay", daemon=True)
+    self._thread = threading.Thread(target=self._server.serve_forever,
+                                    kwargs={"poll_interval": 0.1}, name="blink-tcp-relay",
+                                    daemon=True)
     self._thread.start()
     return self
 
