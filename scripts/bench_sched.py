@@ -10,6 +10,7 @@ stop checks). A consumer thread keeps every ring drained, as a frontend would.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -32,6 +33,7 @@ flags.DEFINE_integer("slots", 4096, "mailbox slots")
 flags.DEFINE_float("seconds", 2.0, "measurement window per configuration")
 flags.DEFINE_integer("repeats", 3, "windows per configuration (median and spread reported)")
 flags.DEFINE_string("out", "bench/results/sched_step.json", "JSON result file")
+flags.DEFINE_integer("interference", 0, "also measure with N memory-thrashing processes")
 
 
 def _loop(cfg: F.SchedConfig):
@@ -77,7 +79,7 @@ def _drain(client: M.MailboxClient, region: M.LocalRegion, geo: P.Geometry,
     time.sleep(50e-6)
 
 
-def measure(lanes: int, slots: int, seconds: float, repeats: int) -> dict:
+def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: int = 0) -> dict:
   ctx, ps = 1 << 16, 64  # long contexts: requests rarely finish (the drainer resubmits)
   geo = P.Geometry(slots, 16, 64, 0)
   engine_region = M.LocalRegion(C.host_buffer(geo.total_bytes))
@@ -116,6 +118,11 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int) -> dict:
   th = threading.Thread(target=run, daemon=True)
   th.start()
   time.sleep(0.5)  # admission and warm-up
+  procs = []
+  if interference:
+    from scripts.bench_executor import start_interference
+    procs = start_interference(interference, set(os.sched_getaffinity(0)), 300)
+    time.sleep(1.0)
   per_iter = []
   for _ in range(repeats):
     h0, t0 = M.read_header(engine_region), time.perf_counter()
@@ -125,12 +132,14 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int) -> dict:
     toks = int(h1["tokens_generated"]) - int(h0["tokens_generated"])
     per_iter.append((t1 - t0) / max(it, 1) * 1e6)
     result.setdefault("tokens_per_iteration", []).append(toks / max(it, 1))
+  for p in procs:
+    p.kill()
   engine_region.write(P.HEADER_DTYPE.fields["shutdown"][1], (1).to_bytes(4, "little"))
   th.join(60)
   stop.set()
   release()
   result.update(C.stats(per_iter, "us_per_step"))
-  result.update(lanes=lanes, slots=slots, running=int(h1["running"]),
+  result.update(lanes=lanes, slots=slots, interference=interference, running=int(h1["running"]),
                 errored=int(h1["requests_errored"]), admitted=int(h1["requests_admitted"]),
                 finished=int(h1["requests_finished"]), cancelled=int(h1["requests_cancelled"]),
                 **driver)
@@ -140,8 +149,9 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int) -> dict:
 def main(argv):
   del argv
   xla_flags.configure_command_buffers()
-  rows = [measure(int(n), FLAGS.slots, FLAGS.seconds, FLAGS.repeats) for n in FLAGS.lanes]
-  print(C.table(rows, ["lanes", "slots", "running", "us_per_step_median", "us_per_step_min",
+  rows = [measure(int(n), FLAGS.slots, FLAGS.seconds, FLAGS.repeats, lvl)
+          for n in FLAGS.lanes for lvl in ([0, FLAGS.interference] if FLAGS.interference else [0])]
+  print(C.table(rows, ["lanes", "slots", "interference", "running", "us_per_step_median", "us_per_step_min",
                        "us_per_step_max", "tokens_per_iteration", "device_while"]))
   C.write_result(FLAGS.out, "sched_step", rows)
 

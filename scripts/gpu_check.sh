@@ -56,7 +56,7 @@ fi
 if has sched; then
   log "scheduler microbenchmark"
   timeout 300 python3 scripts/bench_sched.py --lanes 1,64,256 --slots 4096 --seconds 1 \
-    --repeats 3 --out bench/results/sched_step_h200.json 2>&1 | grep -v "^[IW]1" \
+    --repeats 3 --interference 32 --out bench/results/sched_step_h200.json 2>&1 | grep -v "^[IW]1" \
     | tail -12 | tee -a "$OUT/log.txt"
   cp bench/results/sched_step_h200.json "$OUT/" 2>/dev/null
 fi
