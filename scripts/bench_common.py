@@ -8,7 +8,9 @@ import mmap
 import os
 import pathlib
 import platform
+import shutil
 import subprocess
+import tempfile
 import sys
 
 import numpy as np
@@ -34,6 +36,33 @@ def device_mailbox(region, nbytes: int):
   if rc:
     raise RuntimeError(cuda.blink_cuda_error_string(rc).decode())
   return dev.value, lambda: cuda.blink_cuda_unregister_host(region.address)
+
+
+THRASH_C = ROOT / "bench" / "thrash.c"
+
+
+def _thrash_binary() -> str | None:
+  cc = shutil.which("gcc") or shutil.which("cc")
+  if cc is None:
+    return None
+  out = os.path.join(tempfile.gettempdir(), "blink_thrash")
+  subprocess.run([cc, "-O2", "-o", out, str(THRASH_C)], check=True)
+  return out
+
+
+def start_interference(n: int, cpus: set[int], seconds: int) -> list[subprocess.Popen]:
+  """n memory-thrashing processes on `cpus` (random read-modify-write over 256 MB each)."""
+  exe = _thrash_binary()
+  cmd = [exe, str(seconds)] if exe else [
+      "python3", "-c", "import numpy as np,time\nb=np.zeros(1<<25,np.int64);r=np.random.default_rng()"
+      f"\nt=time.time()+{seconds}\nwhile time.time()<t:\n i=r.integers(0,b.size,1<<16);b[i]+=1"]
+  procs = []
+  for _ in range(n):
+    p = subprocess.Popen(cmd)
+    os.sched_setaffinity(p.pid, cpus)
+    procs.append(p)
+  return procs
+
 
 
 def stats(values, name: str) -> dict:

@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import pathlib
-import shutil
-import subprocess
-import tempfile
 import threading
 import time
 
@@ -38,32 +34,6 @@ flags.DEFINE_integer("interference", -1, "thrashing processes (-1: 2 x nproc; 0:
 flags.DEFINE_integer("page_size", 16, "KV page size")
 flags.DEFINE_list("buckets", ["1", "8", "64", "256"], "token buckets")
 flags.DEFINE_string("out", "bench/results/executor_latency.json", "JSON result file")
-
-THRASH_C = pathlib.Path(__file__).resolve().parents[1] / "bench" / "thrash.c"
-
-
-def _thrash_binary() -> str | None:
-  cc = shutil.which("gcc") or shutil.which("cc")
-  if cc is None:
-    return None
-  out = os.path.join(tempfile.gettempdir(), "blink_thrash")
-  subprocess.run([cc, "-O2", "-o", out, str(THRASH_C)], check=True)
-  return out
-
-
-def start_interference(n: int, cpus: set[int], seconds: int) -> list[subprocess.Popen]:
-  """n memory-thrashing processes on `cpus` (random read-modify-write over 256 MB each)."""
-  exe = _thrash_binary()
-  cmd = [exe, str(seconds)] if exe else [
-      "python3", "-c", "import numpy as np,time\nb=np.zeros(1<<25,np.int64);r=np.random.default_rng()"
-      f"\nt=time.time()+{seconds}\nwhile time.time()<t:\n i=r.integers(0,b.size,1<<16);b[i]+=1"]
-  procs = []
-  for _ in range(n):
-    p = subprocess.Popen(cmd)
-    os.sched_setaffinity(p.pid, cpus)
-    procs.append(p)
-  return procs
-
 
 def _clock_main(shm_name: str, geo: P.Geometry, slot: int, cpu: int | None, ready, stop, conn):
   """The frontend process: timestamps every new output entry of one slot and drains every
@@ -150,7 +120,7 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
   slots = []
   clock_cpu = cpus[0] if len(cpus) > 1 else None
   others = set(cpus[1:]) or set(cpus)
-  procs = start_interference(interference, others, 600) if interference else []
+  procs = C.start_interference(interference, others, 600) if interference else []
   try:
     time.sleep(1.0 if procs else 0.1)
     watched = eng.client._free[-batch]  # the slot the last request will take (admitted last)

@@ -120,8 +120,7 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: 
   time.sleep(0.5)  # admission and warm-up
   procs = []
   if interference:
-    from scripts.bench_executor import start_interference
-    procs = start_interference(interference, set(os.sched_getaffinity(0)), 300)
+    procs = C.start_interference(interference, set(os.sched_getaffinity(0)), 300)
     time.sleep(1.0)
   per_iter = []
   for _ in range(repeats):
