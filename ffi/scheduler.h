@@ -228,16 +228,19 @@ struct BlinkSched {
       s(S_NUM_ROWS) = s(S_NUM_DECODE) = s(S_NUM_SAMPLES) = s(S_NUM_ADMITTED) = 0;
       s(S_BLOCKED) = s(S_ANY_FINISH) = s(S_ANY_PREFILL) = s(S_IDLE_RETRY) = 0;
       s(S_PROMPT_ROWS) = s(S_NUM_STEP_LANES) = 0;
-      s(S_SHUTDOWN) = blink_load<uint32_t>(&hdr()->shutdown) != 0;
     });
-    // Doorbells: one load per worker, in parallel (each is a PCIe round trip on the GPU).
+    // One round trip to the mailbox per step: every doorbell and the shutdown word are loaded
+    // in parallel (on the GPU each load crosses PCIe). Entry MAX_WORKERS is the shutdown word.
     int32_t* a = region(lay.scratch_a);
-    x.parallel(BLINK_MAX_WORKERS, [&](int64_t w) {
-      a[w] = int32_t(uint32_t(blink_load_acquire<uint64_t>(&hdr()->doorbell[w])));
+    x.parallel(BLINK_MAX_WORKERS + 1, [&](int64_t w) {
+      a[w] = w < BLINK_MAX_WORKERS
+                 ? int32_t(uint32_t(blink_load_acquire<uint64_t>(&hdr()->doorbell[w])))
+                 : int32_t(blink_load<uint32_t>(&hdr()->shutdown) != 0);
     });
     int32_t total = x.exclusive_scan(BLINK_MAX_WORKERS, [&](int64_t w) { return a[w]; },
                                      region(lay.scratch_b));
     x.serial([&] {
+      s(S_SHUTDOWN) = a[BLINK_MAX_WORKERS];
       s(S_DOORBELL_NOW) = total;
       s(S_SCAN) = uint32_t(total) != uint32_t(counter(C_DOORBELL_SEEN)) || s(S_RESCAN);
       counter(C_DOORBELL_SEEN) = uint32_t(total);
@@ -279,17 +282,20 @@ struct BlinkSched {
     x.serial([&] { s(S_Q_TAIL) = tail + n; });
   }
 
-  // Reads cancel and consumed words of the running requests; resets per-step lane fields.
+  // Resets per-step lane fields; reads a running request's consumed count only when its ring
+  // looks full and its cancel word only when a doorbell rang (frontends ring on cancel), so a
+  // steady decode step reads nothing from the mailbox here.
   template <class X>
   BLINK_HD void check_lanes(const X& x) const {
+    const bool rang = s(S_SCAN) != 0;
     x.parallel(c.max_seqs, [&](int64_t l) {
       lane(L_SCHED_N, l) = 0;
       lane(L_SAMPLES, l) = 0;
       lane(L_TMP, l) = 0;
       if (lane(L_STATE, l) == LANE_FREE) return;
       int64_t sl = lane(L_SLOT, l);
-      lane(L_CONSUMED, l) = int32_t(req_u32(sl, REQ_OFF(consumed)));
-      if (req_u32(sl, REQ_OFF(cancel)) == uint32_t(lane(L_SEQ, l)) &&
+      if (!ring_has_room(l)) lane(L_CONSUMED, l) = int32_t(req_u32(sl, REQ_OFF(consumed)));
+      if (rang && req_u32(sl, REQ_OFF(cancel)) == uint32_t(lane(L_SEQ, l)) &&
           lane(L_FINISH, l) == BLINK_FINISH_NONE) {
         lane(L_FINISH, l) = BLINK_FINISH_CANCELLED;
         s(S_ANY_FINISH) = 1;  // benign race: every writer stores 1
