@@ -220,24 +220,3 @@ def command_buffer_report(compiled, compile_log: str, device, mode: str) -> dict
   return {"device_while": bool(hit), "loop": name,
           "evidence": hit[0].split("] ")[-1][:200] if hit else
           f"{len(lines)} command buffers, none holds {name}"}
-
-
-def thread_cpu_seconds(native_id: int) -> float:
-  """CPU time a thread of this process has used (Linux /proc)."""
-  with open(f"/proc/self/task/{native_id}/stat") as f:
-    fields = f.read().rsplit(")", 1)[1].split()
-  return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def measure_loop_driver(native_id: int, iterations, seconds: float = 0.5) -> dict:
-  """Whether the serving loop runs on the device: a host-driven XLA while loop costs its
-  launching thread CPU time on every iteration; a device-side WHILE node costs none."""
-  c0, i0, t0 = thread_cpu_seconds(native_id), iterations(), time.perf_counter()
-  time.sleep(seconds)
-  c1, i1, t1 = thread_cpu_seconds(native_id), iterations(), time.perf_counter()
-  n = max(i1 - i0, 1)
-  cpu_us = (c1 - c0) / n * 1e6
-  return {"device_while": bool(i1 > i0 and cpu_us < 1.0),
-          "loop_thread_cpu_us_per_iteration": round(cpu_us, 2),
-          "loop_thread_cpu_share": round((c1 - c0) / (t1 - t0), 3),
-          "iterations_per_s": round((i1 - i0) / (t1 - t0), 1)}

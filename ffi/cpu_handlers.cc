@@ -2,7 +2,7 @@
 // the host execution policy on buffers of the executor's loop carry.
 #include <cstring>
 
-#include "config_attrs.h"
+#include "handler_common.h"
 #include "scheduler.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -16,19 +16,12 @@ void carry(const ffi::Buffer<T>& in, ffi::ResultBuffer<T>& out) {
     std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
 }
 
-ffi::Error check_state(const BlinkSchedConfig& c, const ffi::Buffer<ffi::S32>& state) {
-  if (int64_t(state.element_count()) != BlinkStateLayout(c).total)
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "scheduler state has the wrong size");
-  if (c.mailbox == 0) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "no mailbox");
-  return ffi::Error::Success();
-}
-
 ffi::Error ScheduleImpl(ffi::Buffer<ffi::S32> state, ffi::Buffer<ffi::S32> history,
                         ffi::Buffer<ffi::S32> page_table, ffi::ResultBuffer<ffi::S32> state_out,
                         ffi::ResultBuffer<ffi::S32> history_out,
                         ffi::ResultBuffer<ffi::S32> page_table_out,
                         ffi::ResultBuffer<ffi::S32> batch, BlinkSchedConfig c) {
-  if (auto e = check_state(c, state); e.failure()) return e;
+  if (auto e = blink::CheckState(c, state); e.failure()) return e;
   carry(state, state_out);
   carry(history, history_out);
   carry(page_table, page_table_out);
@@ -44,7 +37,7 @@ ffi::Error CommitImpl(ffi::Buffer<ffi::S32> state, ffi::Buffer<ffi::S32> history
                       ffi::Buffer<ffi::S32> top_ids, ffi::Buffer<ffi::F32> top_lps,
                       ffi::ResultBuffer<ffi::S32> state_out,
                       ffi::ResultBuffer<ffi::S32> history_out, BlinkSchedConfig c) {
-  if (auto e = check_state(c, state); e.failure()) return e;
+  if (auto e = blink::CheckState(c, state); e.failure()) return e;
   carry(state, state_out);
   carry(history, history_out);
   auto dims = top_ids.dimensions();
@@ -59,26 +52,6 @@ ffi::Error CommitImpl(ffi::Buffer<ffi::S32> state, ffi::Buffer<ffi::S32> history
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BlinkScheduleCpu, ScheduleImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attrs<BlinkSchedConfig>());
+                              blink::ScheduleBinding(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BlinkCommitCpu, CommitImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attrs<BlinkSchedConfig>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BlinkCommitCpu, CommitImpl, blink::CommitBinding(ffi::Ffi::Bind()));

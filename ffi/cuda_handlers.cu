@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "config_attrs.h"
+#include "handler_common.h"
 #include "scheduler.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -47,20 +47,13 @@ void carry(cudaStream_t s, const ffi::Buffer<T>& in, ffi::ResultBuffer<T>& out) 
                     cudaMemcpyDeviceToDevice, s);
 }
 
-ffi::Error check(const BlinkSchedConfig& c, const ffi::Buffer<ffi::S32>& state) {
-  if (int64_t(state.element_count()) != BlinkStateLayout(c).total)
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "scheduler state has the wrong size");
-  if (c.mailbox == 0) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "no mailbox");
-  return ffi::Error::Success();
-}
-
 ffi::Error ScheduleImpl(cudaStream_t s, ffi::Buffer<ffi::S32> state,
                         ffi::Buffer<ffi::S32> history, ffi::Buffer<ffi::S32> page_table,
                         ffi::ResultBuffer<ffi::S32> state_out,
                         ffi::ResultBuffer<ffi::S32> history_out,
                         ffi::ResultBuffer<ffi::S32> page_table_out,
                         ffi::ResultBuffer<ffi::S32> batch, BlinkSchedConfig c) {
-  if (auto e = check(c, state); e.failure()) return e;
+  if (auto e = blink::CheckState(c, state); e.failure()) return e;
   carry(s, state, state_out);
   carry(s, history, history_out);
   carry(s, page_table, page_table_out);
@@ -75,7 +68,7 @@ ffi::Error CommitImpl(cudaStream_t s, ffi::Buffer<ffi::S32> state, ffi::Buffer<f
                       ffi::Buffer<ffi::S32> top_ids, ffi::Buffer<ffi::F32> top_lps,
                       ffi::ResultBuffer<ffi::S32> state_out,
                       ffi::ResultBuffer<ffi::S32> history_out, BlinkSchedConfig c) {
-  if (auto e = check(c, state); e.failure()) return e;
+  if (auto e = blink::CheckState(c, state); e.failure()) return e;
   carry(s, state, state_out);
   carry(s, history, history_out);
   auto dims = top_ids.dimensions();
@@ -89,34 +82,15 @@ ffi::Error CommitImpl(cudaStream_t s, ffi::Buffer<ffi::S32> state, ffi::Buffer<f
 }
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BlinkScheduleCuda, ScheduleImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attrs<BlinkSchedConfig>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    BlinkScheduleCuda, ScheduleImpl,
+    blink::ScheduleBinding(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BlinkCommitCuda, CommitImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attrs<BlinkSchedConfig>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    BlinkCommitCuda, CommitImpl,
+    blink::CommitBinding(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
 
 // Host-mapped memory for the shared-memory transport: the GPU reads the mailbox in place.
 extern "C" int blink_cuda_register_host(void* ptr, uint64_t bytes, uint64_t* device_ptr) {

