@@ -142,7 +142,7 @@ class Engine:
                buckets: Sequence[int] | None = None, mode: str = "persistent",
                idle_poll_us: int = 200, region: Any = None, model_name: str = "model",
                tokenizer_path: str | None = None, eos_ids: Sequence[int] | None = None,
-               device: Any = None):
+               device: Any = None, frontend_workers: int = 0):
     import jax
 
     from blink_jax import executor as X
@@ -173,8 +173,11 @@ class Engine:
 
     # The mailbox: host memory the device reads in place.
     self.region = region or M.LocalRegion(_host_mapped_buffer(self.geo.total_bytes))
+    # Frontend workers 0..N-1 own the first slot ranges; this engine's own client (generate())
+    # is worker N, so the two never write the same slot or doorbell.
+    self.mailbox_workers = frontend_workers + 1
     M.init_header(self.region, self.geo, vocab_size=cfg.vocab_size,
-                  max_context=self.max_context, num_workers=1,
+                  max_context=self.max_context, num_workers=self.mailbox_workers,
                   eos_id=self.eos_ids[0] if self.eos_ids else 0)
     self._registered = None
     mailbox_addr = self.region.address
@@ -205,7 +208,7 @@ class Engine:
     carry = self.executor.initial_carry()
     self.compiled = self.executor.compile(carry, mode)
 
-    self.client = M.MailboxClient(self.region)
+    self.client = M.MailboxClient(self.region, frontend_workers, self.mailbox_workers)
     self._lock = threading.Lock()
     self._slot_free = threading.Condition(self._lock)
     self._active: dict[int, _Tracked] = {}

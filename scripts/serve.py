@@ -132,7 +132,9 @@ class Serving:
     ready.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "nic_frontend.worker", "--transport", o.transport,
            "--tokenizer", str(self.engine.tokenizer_path), "--model-name",
-           self.engine.model_name, "--worker", str(w), "--num-workers", str(o.workers),
+           self.engine.model_name, "--worker", str(w), "--num-workers",
+           # The engine may keep the last slot range for its own generate() client.
+           str(getattr(self.engine, "mailbox_workers", o.workers)),
            "--host", o.host, "--port", str(o.port), "--grace-s", str(o.grace_s),
            "--max-body-bytes", str(o.max_body_bytes), "--ready-file", str(ready),
            "--parent-pid", str(os.getpid())]
@@ -280,10 +282,16 @@ def make_engine(Engine):
     cfg = load_config(resolve_checkpoint(FLAGS.ckpt))
     max_context = FLAGS.max_context or min(cfg.max_context, 4096)
     ring, top = 64, 8
-    geo = P.Geometry(FLAGS.num_slots, max_context - 1, ring, top)
+    reserve = _accepts(Engine.__init__, "frontend_workers")
+    # With a slot range reserved for the engine's own client, grow the ring of slots so the
+    # frontend workers still share --num_slots among themselves.
+    num_slots = FLAGS.num_slots * (FLAGS.workers + 1) // FLAGS.workers if reserve else FLAGS.num_slots
+    geo = P.Geometry(num_slots, max_context - 1, ring, top)
     region = shm.create_region(FLAGS.shm_name, geo.total_bytes)
-    kw.update(max_context=max_context, num_slots=FLAGS.num_slots, ring_capacity=ring,
+    kw.update(max_context=max_context, num_slots=num_slots, ring_capacity=ring,
               max_top_logprobs=top, region=region)
+    if reserve:
+      kw["frontend_workers"] = FLAGS.workers
     try:
       engine = Engine.from_checkpoint(FLAGS.ckpt, **kw)
     except BaseException:
@@ -291,7 +299,8 @@ def make_engine(Engine):
       region.unlink()
       raise
     name = region.name
-  _set_header_workers(region, FLAGS.workers)
+  if not hasattr(engine, "mailbox_workers"):
+    _set_header_workers(region, FLAGS.workers)
   return engine, region, name
 
 

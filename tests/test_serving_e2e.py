@@ -28,7 +28,8 @@ from blink_jax import checkpoint as ckpt
 from blink_jax.config import tiny_config
 from blink_jax.model import Gemma
 from nic_frontend.transports import shm
-from tests.tiny_tokenizer import tiny_tokenizer, tiny_tokenizer_bytes
+from blink_jax.tokenizer import Tokenizer
+from tests.fake_device import tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,9 +69,8 @@ def _stop(engine, region, proc):
 @pytest.fixture(scope="module")
 def tiny_stack(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("e2e")
-  tok_path = tmp / "tokenizer.model"
-  tok_path.write_bytes(tiny_tokenizer_bytes())
-  tok = tiny_tokenizer()
+  tok_path = tiny_tokenizer(tmp)
+  tok = Tokenizer(str(tok_path))
   model = Gemma(tiny_config("gemma3", vocab_size=tok.vocab_size), dtype=jnp.float32,
                 rngs=nnx.Rngs(11))
   engine, region, proc, url = _serve(model, tok, tok_path, tmp, "tiny-real")
