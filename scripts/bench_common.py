@@ -96,7 +96,10 @@ def table(rows: list[dict], cols: list[str]) -> str:
 
 
 def describe_device() -> str:
-  import jax
+  try:
+    import jax
+  except ImportError:  # a load-generator host (e.g. benchmarking another server) needs no JAX
+    return f"no jax on this host ({platform.node()})"
   d = jax.devices()[0]
   return f"{d.platform}:{getattr(d, 'device_kind', '')} ({len(jax.devices())} devices)"
 
@@ -112,8 +115,15 @@ def git_revision() -> str:
     return os.environ.get("BLINK_GIT_REVISION", "unknown")
 
 
+def _jax_version() -> str | None:
+  try:
+    import jax
+    return jax.__version__
+  except ImportError:
+    return None
+
+
 def write_result(path: str, name: str, rows, extra: dict | None = None) -> pathlib.Path:
-  import jax
   out = pathlib.Path(path)
   if not out.is_absolute():
     out = ROOT / out
@@ -121,7 +131,7 @@ def write_result(path: str, name: str, rows, extra: dict | None = None) -> pathl
   doc = {"benchmark": name, "device": describe_device(),
          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
          "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
-         "git_revision": git_revision(), "jax": jax.__version__, "python": platform.python_version(),
+         "git_revision": git_revision(), "jax": _jax_version(), "python": platform.python_version(),
          "host_cpus": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
          "results": rows, **(extra or {})}
   out.write_text(json.dumps(doc, indent=2))

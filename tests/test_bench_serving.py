@@ -1,0 +1,279 @@
+"""scripts/bench_serving.py: workload generators, metrics, and one run against a real frontend
+worker backed by the fake device (CPU, a few seconds)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from blink_jax.tokenizer import Tokenizer
+from nic_frontend.transports import shm
+from scripts import bench_serving as BS
+from tests import fake_device as FD
+
+REPO = Path(__file__).resolve().parents[1]
+API_KEY = "bench-key"
+MODEL = "tiny-story"
+
+
+# ---- workload ------------------------------------------------------------------------------
+
+def test_synthetic_lengths_follow_sharegpt_means():
+  inp, out = BS.synthetic_lengths(5000, np.random.default_rng(0))
+  assert abs(inp.mean() / BS.SHAREGPT_INPUT_MEAN - 1) < 0.15, inp.mean()
+  assert abs(out.mean() / BS.SHAREGPT_OUTPUT_MEAN - 1) < 0.15, out.mean()
+  assert inp.std() > 300 and out.std() > 100  # a spread, not a constant
+  # Seedable.
+  again = BS.synthetic_lengths(5000, np.random.default_rng(0))
+  assert (again[0] == inp).all() and (again[1] == out).all()
+
+
+def test_synthetic_lengths_clipped_to_context():
+  inp, out = BS.synthetic_lengths(5000, np.random.default_rng(1), max_context=1024,
+                                  max_input=600)
+  assert inp.min() >= BS.MIN_LEN and inp.max() <= 600 and out.min() >= BS.MIN_LEN
+  assert (inp + out <= 1024).all()
+  assert inp.max() == 600  # the long tail is clipped, not dropped
+  inp, out = BS.synthetic_lengths(100, np.random.default_rng(1), max_context=256,
+                                  input_len=32, output_len=500)
+  assert (inp == 32).all() and (out == 224).all()
+
+
+def test_synthetic_requests_ids_and_text():
+  reqs = BS.synthetic_requests(50, 3, fmt="ids", vocab_size=320, max_context=256)
+  assert all(isinstance(r.prompt, list) and len(r.prompt) == r.input_len for r in reqs)
+  assert all(0 <= t < 320 for r in reqs for t in r.prompt)
+  assert all(r.input_len + r.max_tokens <= 256 for r in reqs)
+  assert [r.prompt for r in BS.synthetic_requests(50, 3, fmt="ids", vocab_size=320,
+                                                  max_context=256)] == [r.prompt for r in reqs]
+  text = BS.synthetic_requests(5, 3, fmt="text", max_context=256)
+  assert all(isinstance(r.prompt, str) and len(r.prompt.split()) == r.input_len for r in text)
+
+
+def test_sharegpt_loader(tmp_path):
+  convs = [{"id": str(i), "conversations": [
+      {"from": "human", "value": "q" * (40 + 4 * i)}, {"from": "gpt", "value": "a" * (80 + 4 * i)},
+      {"from": "human", "value": "ignored"}]} for i in range(10)]
+  convs.append({"id": "x", "conversations": [{"from": "gpt", "value": "no human turn"}]})
+  path = tmp_path / "sg.json"
+  path.write_text(json.dumps(convs))
+  reqs = BS.sharegpt_requests(str(path), 12, 0, fmt="text", max_context=4096)
+  assert len(reqs) == 12
+  for r in reqs:  # 4 characters per token without a tokenizer
+    assert r.input_len == len(r.prompt) // 4 and r.max_tokens == r.input_len + 10
+
+
+def test_poisson_arrivals():
+  t = BS.arrival_times(20000, 5.0, np.random.default_rng(0))
+  gaps = np.diff(np.concatenate([[0.0], t]))
+  assert abs(gaps.mean() - 0.2) < 0.2 * 0.03
+  assert abs(gaps.std() / gaps.mean() - 1) < 0.05  # exponential: coefficient of variation 1
+  assert (np.diff(t) >= 0).all()
+  assert (BS.arrival_times(7, float("inf"), np.random.default_rng(0)) == 0).all()
+
+
+# ---- metrics -------------------------------------------------------------------------------
+
+def _records():
+  r1 = BS.Record(10, 4, ok=True, ttft=0.1, e2e=0.3, output_tokens=4,
+                 chunk_times=[0.1, 0.15, 0.2, 0.3])
+  r2 = BS.Record(20, 2, ok=True, ttft=0.2, e2e=0.5, output_tokens=2, chunk_times=[0.2, 0.4])
+  r3 = BS.Record(30, 8, ok=False, error="HTTP 500: boom")
+  return [r1, r2, r3]
+
+
+def test_metrics_on_hand_made_timelines():
+  m = BS.compute_metrics(_records(), 2.0, slo_ttft_ms=150, slo_tpot_ms=100)
+  A = pytest.approx
+  assert (m["num_requests"], m["completed"], m["failed"]) == (3, 2, 1)
+  assert m["errors"] == ["HTTP 500: boom"]
+  assert m["output_tokens"] == 6 and m["input_tokens"] == 30
+  assert m["request_throughput"] == A(1.0) and m["output_throughput"] == A(3.0)
+  assert m["ttft_ms_mean"] == A(150) and m["ttft_ms_p50"] == A(150)
+  assert m["ttft_ms_p99"] == A(100 + 0.99 * 100)
+  # TPOT: (0.3 - 0.1) / 3 and (0.5 - 0.2) / 1.
+  assert m["tpot_ms_mean"] == A((200 / 3 + 300) / 2) and m["tpot_ms_n"] == 2
+  # ITL: every gap between chunks: 50, 50, 100 and 200 ms.
+  assert m["itl_ms_n"] == 4 and m["itl_ms_mean"] == A(100) and m["itl_ms_p50"] == A(75)
+  assert m["itl_ms_p90"] == A(np.percentile([50, 50, 100, 200], 90))
+  assert m["e2e_ms_mean"] == A(400) and m["e2e_ms_p50"] == A(400)
+  # Goodput: only r1 meets TTFT <= 150 ms and TPOT <= 100 ms.
+  assert m["good_requests"] == 1 and m["goodput"] == A(0.5)
+  m = BS.compute_metrics(_records(), 2.0, slo_ttft_ms=250)
+  assert m["good_requests"] == 2 and m["goodput"] == A(1.0)
+  m = BS.compute_metrics(_records(), 2.0, slo_tpot_ms=300)
+  assert m["good_requests"] == 2
+  assert BS.compute_metrics(_records(), 2.0)["goodput"] is None
+
+
+def test_power_sampler_reports_a_reason_without_nvml():
+  s = BS.PowerSampler(0.01)
+  with s:
+    time.sleep(0.05)
+  r = s.result(100)
+  if s.reason:
+    assert r["energy_per_token_j"] is None and r["energy_note"] == s.reason
+  else:
+    assert r["energy_j"] > 0 and r["energy_per_token_j"] == pytest.approx(r["energy_j"] / 100)
+
+
+def test_normalize_argv():
+  assert BS.normalize_argv(["x", "--base-url=u", "--max-tokens", "8", "--no-plot", "--",
+                          "--a-b"]) == \
+      ["x", "--base_url=u", "--max_tokens", "8", "--noplot", "--", "--a-b"]
+
+
+# ---- end to end ----------------------------------------------------------------------------
+
+def _wait(pred, timeout, what):
+  deadline = time.monotonic() + timeout
+  while not pred():
+    if time.monotonic() > deadline:
+      raise AssertionError(f"timed out waiting for {what}")
+    time.sleep(0.02)
+
+
+def _start_worker(tmp: Path, tokenizer_path: Path, args: list[str], env: dict):
+  """A `nic_frontend.worker` process (the helper of tests/test_frontend_api.py)."""
+  ready = tmp / "ready.json"
+  log = tmp / "worker.log"
+  cmd = [sys.executable, "-m", "nic_frontend.worker", "--tokenizer", str(tokenizer_path),
+         "--model-name", MODEL, "--port", "0", "--ready-file", str(ready), "--grace-s", "5",
+         *args]
+  full_env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+  full_env.update(env)
+  with open(log, "wb") as f:
+    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=f, stderr=subprocess.STDOUT)
+  try:
+    _wait(lambda: ready.exists() or proc.poll() is not None, 30, "the worker")
+  except AssertionError:
+    proc.kill()
+    raise
+  if proc.poll() is not None:
+    raise AssertionError(f"worker exited: {log.read_text()}")
+  return proc, json.loads(ready.read_text())["port"], log
+
+
+@pytest.fixture
+def server(tmp_path):
+  tok_path = FD.tiny_tokenizer(tmp_path / "tok")
+  tok = Tokenizer(str(tok_path))
+  story = tok.encode(FD.STORY) + [tok.eos_id]
+  dc = FD.DeviceConfig(vocab_size=tok.vocab_size)
+  region = shm.create_region(None, dc.geometry.total_bytes)
+  device = FD.FakeDevice(region, dc, story=story).start()
+  proc, port, log = _start_worker(tmp_path, tok_path, ["--transport", "shm", "--shm-name",
+                                                       region.name], {"BLINK_API_KEY": API_KEY})
+  try:
+    yield f"http://127.0.0.1:{port}/v1", dc
+  finally:
+    proc.send_signal(signal.SIGTERM)
+    try:
+      proc.wait(20)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+    print(log.read_text()[-3000:])
+    device.stop()
+    region.close()
+    region.unlink()
+
+
+def _run_tool(*args, timeout=120):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_serving.py"), *args],
+                     cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  return r.stdout
+
+
+def test_end_to_end_against_frontend_worker(server, tmp_path):
+  base_url, dc = server
+  out = tmp_path / "results" / "serving_e2e.json"
+  interference = ["--interference", "1", "--frontend-cpus", "0"] \
+      if len(os.sched_getaffinity(0)) > 1 else []
+  stdout = _run_tool("--base-url", base_url, "--api-key", API_KEY, "--num-prompts", "10",
+                     "--rates", "40,inf", "--seed", "7", "--vocab-size", str(dc.vocab_size),
+                     "--max-input-len", "64", "--max-concurrency", "8", "--label", "e2e",
+                     "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--out", str(out),
+                     *interference)
+  assert "request_throughput" in stdout  # the printed table
+  doc = json.loads(out.read_text())
+  assert doc["benchmark"] == "serving" and doc["model"] == MODEL
+  assert doc["max_context"] == dc.max_context and doc["label"] == "e2e"
+  assert [r["rate"] for r in doc["results"]] == [40.0, "inf"]
+  for row in doc["results"]:
+    assert row["completed"] == 10 and row["failed"] == 0, row
+    assert row["good_requests"] == 10
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+      assert 0 <= row[f"{key}_p50"] <= row[f"{key}_p90"] <= row[f"{key}_p99"], key
+    assert row["output_throughput"] > 0
+    assert "energy_per_token_j" in row and row["energy_note"]
+  for rate, reqs in doc["requests"].items():
+    assert len(reqs) == 10
+    lens = set()
+    for r in reqs:
+      assert r["ok"] and r["error"] is None, r
+      assert r["output_tokens"] == r["max_tokens"], r  # ignore_eos: exactly max_tokens
+      assert r["input_len"] + r["max_tokens"] <= dc.max_context and r["input_len"] <= 64
+      lens.add(r["max_tokens"])
+    assert len(lens) > 1  # lengths from the distribution, not one constant
+  if interference:
+    assert doc["interference"] == 1 and doc["frontend_cpus"] == [0]
+    assert 0 not in doc["interference_cpus"]
+  png = out.with_suffix(".png")
+  if BS_HAS_MPL:
+    assert png.stat().st_size > 10_000
+
+    # --compare: two result files (persistent vs host style) in one plot.
+    other = tmp_path / "results" / "serving_other.json"
+    doc["label"] = "other"
+    other.write_text(json.dumps(doc))
+    cmp_png = tmp_path / "cmp.png"
+    _run_tool("--compare", str(out), str(other), "--plot-out", str(cmp_png))
+    assert cmp_png.stat().st_size > 10_000
+
+
+try:
+  import matplotlib  # noqa: F401
+  BS_HAS_MPL = True
+except ImportError:
+  BS_HAS_MPL = False
+
+
+def test_fixed_max_tokens_text_prompts(server, tmp_path):
+  base_url, dc = server
+  out = tmp_path / "fixed.json"
+  _run_tool("--base-url", base_url, "--api-key", API_KEY, "--num-prompts", "6", "--rates", "inf",
+            "--prompt-format", "text", "--input-len", "20", "--max-tokens", "12", "--no-plot",
+            "--out", str(out))
+  doc = json.loads(out.read_text())
+  reqs = doc["requests"]["inf"]
+  assert all(r["ok"] and r["output_tokens"] == 12 and r["max_tokens"] == 12 for r in reqs)
+  assert not out.with_suffix(".png").exists()
+
+
+def test_power_sampler_integrates_nvml_power(monkeypatch):
+  """A stand-in pynvml: two GPUs at 100 W each -> ~200 W times the run's length."""
+  import types
+  fake = types.SimpleNamespace(nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 2,
+                               nvmlDeviceGetHandleByIndex=lambda i: i,
+                               nvmlDeviceGetPowerUsage=lambda h: 100_000)  # milliwatts
+  monkeypatch.setitem(sys.modules, "pynvml", fake)
+  s = BS.PowerSampler(0.01)
+  assert s.reason is None
+  with s:
+    time.sleep(0.3)
+  r = s.result(60)
+  span = s.samples[-1][0] - s.samples[0][0]
+  assert len(s.samples) > 10 and r["gpus"] == 2
+  assert r["avg_power_w"] == pytest.approx(200.0)
+  assert r["energy_j"] == pytest.approx(200.0 * span)
+  assert r["energy_per_token_j"] == pytest.approx(200.0 * span / 60)
