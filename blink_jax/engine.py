@@ -22,6 +22,7 @@ import numpy as np
 from blink_jax import mailbox as M
 from blink_jax import protocol as P
 from blink_jax.xla_flags import configure_command_buffers
+from nic_frontend.streaming import StopMatcher
 
 log = logging.getLogger("blink_jax.engine")
 
@@ -112,7 +113,9 @@ class _Tracked:
     self.t_submit = time.perf_counter()
     self.t_first = 0.0
     self.t_done = 0.0
-    self.stops = params.stop_strings()
+    # Stop strings are matched on text with the frontend's matcher: it holds back any tail
+    # that could still become a stop string, so streamed deltas never leak one.
+    self.stop = StopMatcher(params.stop_strings())
     self.detok = tokenizer.detokenizer() if tokenizer is not None else None
     self.text = ""
     self.stopped_by_string = False
@@ -390,13 +393,10 @@ class Engine:
         t.lps.append(out.logprobs[i])
         t.top.append(out.top[i][:t.params.logprobs] if out.top else [])
       if t.detok is not None:
-        piece = t.detok.push(tok)
-        t.text += piece
-        delta_text += piece
-        cut = self._stop_cut(t)
-        if cut is not None:
-          delta_text = delta_text[:len(delta_text) - (len(t.text) - cut)]
-          t.text = t.text[:cut]
+        safe = t.stop.push(t.detok.push(tok))
+        t.text += safe
+        delta_text += safe
+        if t.stop.matched is not None:
           t.stopped_by_string = True
           if not t.cancel_sent:
             self.client.cancel(t.slot)
@@ -407,17 +407,14 @@ class Engine:
       t.t_done = now
       reason = "stop" if t.stopped_by_string else _finish_name(out.finish_reason, out.error)
       if t.detok is not None and not t.stopped_by_string:
-        tail = t.detok.flush()
+        tail = t.stop.push(t.detok.flush())
+        tail += t.stop.flush() if t.stop.matched is None else ""
+        if t.stop.matched is not None:
+          reason = "stop"
         t.text += tail
         if tail:
           t.events.put(StreamDelta(tail, []))
       t.events.put(StreamDelta("", [], reason))
-
-  @staticmethod
-  def _stop_cut(t: _Tracked) -> int | None:
-    """Index where the first stop string starts in the text so far, if one has appeared."""
-    cuts = [i for i in (t.text.find(s) for s in t.stops) if i >= 0]
-    return min(cuts) if cuts else None
 
   def _collect(self, t: _Tracked) -> RequestOutput:
     reason = None

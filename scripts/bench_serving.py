@@ -37,37 +37,41 @@ if str(ROOT) not in sys.path:
 from scripts import bench_common as C  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("base_url", "http://127.0.0.1:8000/v1", "the server's OpenAI base URL")
-flags.DEFINE_string("model", None, "model name (default: the first of GET /models)")
-flags.DEFINE_string("api_key", None, "bearer token (default: $OPENAI_API_KEY, $BLINK_API_KEY)")
-flags.DEFINE_integer("num_prompts", 200, "requests per request rate")
-flags.DEFINE_list("rates", ["inf"], "request rates (requests/s; 'inf' sends all at once)")
-flags.DEFINE_integer("seed", 0, "seed of the prompt set and the arrival times")
-flags.DEFINE_integer("max_tokens", None, "fixed output length for every request "
-                     "(default: each request's length from the dataset)")
-flags.DEFINE_integer("input_len", None, "fixed input length (overrides the dataset's)")
-flags.DEFINE_integer("output_len", None, "fixed output length (same as --max-tokens)")
-flags.DEFINE_string("sharegpt", None, "ShareGPT v3 JSON file (default: synthetic lengths)")
-flags.DEFINE_enum("prompt_format", "ids", ["ids", "text"], "send prompts as token ids or text")
-flags.DEFINE_string("tokenizer", None, "SentencePiece model used to tokenize ShareGPT text "
-                    "(default: 4 characters per token, random ids in ids mode)")
-flags.DEFINE_integer("vocab_size", 32000, "synthetic token ids are drawn below this")
-flags.DEFINE_integer("max_context", None, "context to clip lengths to "
-                     "(default: max_model_len from GET /models, else 4096)")
-flags.DEFINE_integer("max_input_len", None, "also clip prompts to this many tokens")
-flags.DEFINE_integer("max_concurrency", None, "at most this many requests in flight")
-flags.DEFINE_float("slo_ttft_ms", None, "goodput SLO on TTFT")
-flags.DEFINE_float("slo_tpot_ms", None, "goodput SLO on TPOT")
-flags.DEFINE_integer("interference", 0, "N memory-thrashing processes for the whole run")
-flags.DEFINE_list("frontend_cpus", [], "cores of the frontend (SmartNIC role); the "
-                  "interference avoids them (empty: interference on all cores, unpinned)")
-flags.DEFINE_string("label", "default", "name of this configuration in results and plots")
-flags.DEFINE_string("out", None, "JSON result (default: bench/results/serving_<label>.json)")
-flags.DEFINE_bool("plot", True, "write a PNG next to the JSON")
-flags.DEFINE_string("plot_out", None, "PNG path (default: the JSON's with .png)")
-flags.DEFINE_list("compare", [], "plot these result files together (no run)")
-flags.DEFINE_float("request_timeout_s", 1800.0, "per-request timeout")
-flags.DEFINE_float("power_interval_ms", 50.0, "NVML power sampling interval")
+
+
+def define_flags() -> None:
+  """Defined when run as a script only: tests import this module beside other absl scripts."""
+  flags.DEFINE_string("base_url", "http://127.0.0.1:8000/v1", "the server's OpenAI base URL")
+  flags.DEFINE_string("model", None, "model name (default: the first of GET /models)")
+  flags.DEFINE_string("api_key", None, "bearer token (default: $OPENAI_API_KEY, $BLINK_API_KEY)")
+  flags.DEFINE_integer("num_prompts", 200, "requests per request rate")
+  flags.DEFINE_list("rates", ["inf"], "request rates (requests/s; 'inf' sends all at once)")
+  flags.DEFINE_integer("seed", 0, "seed of the prompt set and the arrival times")
+  flags.DEFINE_integer("max_tokens", None, "fixed output length for every request "
+                       "(default: each request's length from the dataset)")
+  flags.DEFINE_integer("input_len", None, "fixed input length (overrides the dataset's)")
+  flags.DEFINE_integer("output_len", None, "fixed output length (same as --max-tokens)")
+  flags.DEFINE_string("sharegpt", None, "ShareGPT v3 JSON file (default: synthetic lengths)")
+  flags.DEFINE_enum("prompt_format", "ids", ["ids", "text"], "send prompts as token ids or text")
+  flags.DEFINE_string("tokenizer", None, "SentencePiece model used to tokenize ShareGPT text "
+                      "(default: 4 characters per token, random ids in ids mode)")
+  flags.DEFINE_integer("vocab_size", 32000, "synthetic token ids are drawn below this")
+  flags.DEFINE_integer("max_context", None, "context to clip lengths to "
+                       "(default: max_model_len from GET /models, else 4096)")
+  flags.DEFINE_integer("max_input_len", None, "also clip prompts to this many tokens")
+  flags.DEFINE_integer("max_concurrency", None, "at most this many requests in flight")
+  flags.DEFINE_float("slo_ttft_ms", None, "goodput SLO on TTFT")
+  flags.DEFINE_float("slo_tpot_ms", None, "goodput SLO on TPOT")
+  flags.DEFINE_integer("interference", 0, "N memory-thrashing processes for the whole run")
+  flags.DEFINE_list("frontend_cpus", [], "cores of the frontend (SmartNIC role); the "
+                    "interference avoids them (empty: interference on all cores, unpinned)")
+  flags.DEFINE_string("label", "default", "name of this configuration in results and plots")
+  flags.DEFINE_string("out", None, "JSON result (default: bench/results/serving_<label>.json)")
+  flags.DEFINE_bool("plot", True, "write a PNG next to the JSON")
+  flags.DEFINE_string("plot_out", None, "PNG path (default: the JSON's with .png)")
+  flags.DEFINE_list("compare", [], "plot these result files together (no run)")
+  flags.DEFINE_float("request_timeout_s", 1800.0, "per-request timeout")
+  flags.DEFINE_float("power_interval_ms", 50.0, "NVML power sampling interval")
 
 # ShareGPT v3 (vicuna, unfiltered) token lengths, first human / first gpt turn: lognormal fits.
 SHAREGPT_INPUT_MEAN, SHAREGPT_INPUT_SIGMA = 1019.0, 1.0
@@ -572,4 +576,5 @@ def main(argv):
 
 if __name__ == "__main__":
   sys.argv = normalize_argv(sys.argv)
+  define_flags()
   app.run(main)

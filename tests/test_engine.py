@@ -132,6 +132,19 @@ def test_stop_strings_cut_the_text(engine):
   assert engine.stats()["pages_in_use"] == 0
 
 
+def test_streamed_text_never_shows_a_stop_string(engine):
+  full = engine.generate("hello world the quick brown", SamplingParams(max_tokens=24,
+                                                                     ignore_eos=True)).text
+  stop = full[2:5]
+  sp = SamplingParams(max_tokens=24, ignore_eos=True, stop=stop)
+  deltas = list(engine.generate("hello world the quick brown", sp, stream=True))
+  seen = ""
+  for d in deltas:
+    seen += d.text
+    assert stop not in seen
+  assert seen == full[:full.index(stop)] and deltas[-1].finish_reason == "stop"
+
+
 def test_stream_deltas_add_up(engine):
   sp = SamplingParams(max_tokens=10, ignore_eos=True)
   full = engine.generate("the model", sp)
