@@ -223,7 +223,6 @@ class Engine:
     self._poll_thread = threading.Thread(target=self._poll, name="blink-poll", daemon=True)
     self._set_engine_state(P.EngineState.READY)
     _LIVE_ENGINES.add(self)
-    self._loop_started = threading.Event()
     self._loop_thread.start()
     self._poll_thread.start()
     self.loop_report = self.executor.loop_report
@@ -257,8 +256,6 @@ class Engine:
     self.region.write(off, int(s).to_bytes(4, "little"))
 
   def _run_loop(self, carry) -> None:
-    self._loop_tid = threading.get_native_id()
-    self._loop_started.set()
     try:
       if self.mode == "persistent":
         self._final_carry = self.executor.run_persistent(carry, self.compiled)
