@@ -18,7 +18,6 @@ import os
 import re
 import sys
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp

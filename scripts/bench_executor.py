@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import threading
 import time
 
 import numpy as np
@@ -89,7 +88,6 @@ class TokenClock:
 
 
 def build_engine(mode: str, max_seqs: int):
-  import jax
   import jax.numpy as jnp
   from flax import nnx
 

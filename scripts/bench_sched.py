@@ -9,7 +9,6 @@ stop checks). A consumer thread keeps every ring drained, as a frontend would.
 """
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time

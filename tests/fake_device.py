@@ -18,7 +18,11 @@ normalization), and `FakeEngine`, the engine API scripts/serve.py drives, over t
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import pathlib
+import subprocess
+import sys
 import threading
 import time
 
@@ -272,3 +276,40 @@ class FakeEngine:
     self.device.stop()
     self.region.close()
     self.region.unlink()
+
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def wait_until(pred, timeout: float = 20.0, interval: float = 0.01, what: str = "condition"):
+  deadline = time.monotonic() + timeout
+  while True:
+    v = pred()
+    if v:
+      return v
+    if time.monotonic() > deadline:
+      raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    time.sleep(interval)
+
+
+def start_worker(tmp: pathlib.Path, tokenizer_path, model_name: str, args: list[str],
+                 env: dict | None = None, prefix: list[str] | None = None):
+  """(process, port, log path) of a `nic_frontend.worker` that has announced its port.
+
+  `prefix` runs it under another command (e.g. `ip netns exec NS`)."""
+  ready, log = tmp / f"{model_name}-ready.json", tmp / f"{model_name}-worker.log"
+  cmd = [*(prefix or []), sys.executable, "-m", "nic_frontend.worker", "--tokenizer",
+         str(tokenizer_path), "--model-name", model_name, "--port", "0", "--ready-file",
+         str(ready), *args]
+  full_env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+  full_env.update(env or {})
+  with open(log, "wb") as f:
+    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=f, stderr=subprocess.STDOUT)
+  try:
+    wait_until(lambda: ready.exists() or proc.poll() is not None, 60, 0.02, "the worker")
+  except AssertionError:
+    proc.kill()
+    raise
+  if proc.poll() is not None:
+    raise AssertionError(f"worker exited: {log.read_text()}")
+  return proc, json.loads(ready.read_text())["port"], log

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -133,33 +132,8 @@ def test_normalize_argv():
 
 # ---- end to end ----------------------------------------------------------------------------
 
-def _wait(pred, timeout, what):
-  deadline = time.monotonic() + timeout
-  while not pred():
-    if time.monotonic() > deadline:
-      raise AssertionError(f"timed out waiting for {what}")
-    time.sleep(0.02)
-
-
 def _start_worker(tmp: Path, tokenizer_path: Path, args: list[str], env: dict):
-  """A `nic_frontend.worker` process (the helper of tests/test_frontend_api.py)."""
-  ready = tmp / "ready.json"
-  log = tmp / "worker.log"
-  cmd = [sys.executable, "-m", "nic_frontend.worker", "--tokenizer", str(tokenizer_path),
-         "--model-name", MODEL, "--port", "0", "--ready-file", str(ready), "--grace-s", "5",
-         *args]
-  full_env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-  full_env.update(env)
-  with open(log, "wb") as f:
-    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=f, stderr=subprocess.STDOUT)
-  try:
-    _wait(lambda: ready.exists() or proc.poll() is not None, 30, "the worker")
-  except AssertionError:
-    proc.kill()
-    raise
-  if proc.poll() is not None:
-    raise AssertionError(f"worker exited: {log.read_text()}")
-  return proc, json.loads(ready.read_text())["port"], log
+  return FD.start_worker(tmp, tokenizer_path, MODEL, ["--grace-s", "5", *args], env)
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import dataclasses
 import http.client
 import importlib.util
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -37,15 +36,7 @@ MODEL = "tiny-story"
 MAX_BODY = 64 * 1024
 
 
-def wait_until(pred, timeout: float = 20.0, interval: float = 0.01, what: str = "condition"):
-  deadline = time.monotonic() + timeout
-  while True:
-    v = pred()
-    if v:
-      return v
-    if time.monotonic() > deadline:
-      raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-    time.sleep(interval)
+wait_until = FD.wait_until
 
 
 @pytest.fixture(scope="module")
@@ -124,23 +115,8 @@ class Stack:
 
 
 def _start_worker(tmp: Path, tokenizer_path: Path, args: list[str], env: dict) -> tuple:
-  ready = tmp / "ready.json"
-  log = tmp / "worker.log"
-  cmd = [sys.executable, "-m", "nic_frontend.worker", "--tokenizer", str(tokenizer_path),
-         "--model-name", MODEL, "--port", "0", "--ready-file", str(ready),
-         "--max-body-bytes", str(MAX_BODY), "--grace-s", "5", *args]
-  full_env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-  full_env.update(env)
-  with open(log, "wb") as f:
-    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=f, stderr=subprocess.STDOUT)
-  try:
-    wait_until(lambda: ready.exists() or proc.poll() is not None, 30, 0.02, "the worker")
-  except AssertionError:
-    proc.kill()
-    raise
-  if proc.poll() is not None:
-    raise AssertionError(f"worker exited: {log.read_text()}")
-  return proc, json.loads(ready.read_text())["port"], log
+  return FD.start_worker(tmp, tokenizer_path, MODEL,
+                         ["--max-body-bytes", str(MAX_BODY), "--grace-s", "5", *args], env)
 
 
 @pytest.fixture(scope="module", params=["shm", "tcp"])

@@ -3,12 +3,9 @@ network namespace (a test host this test makes, linked by a veth pair), reaches 
 only through the tcp relay, and serves HTTP on its namespace's address."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -62,22 +59,12 @@ def test_frontend_in_another_namespace_serves_through_the_relay(netns, tmp_path)
   region = shm.create_region(None, dc.geometry.total_bytes)
   device = FD.FakeDevice(region, dc, story=story).start()
   relay = tcp.TcpRelayServer(region, token="ns-token", host=host_ip).start()
-  ready = tmp_path / "ready.json"
-  log = open(tmp_path / "worker.log", "wb")
-  env = {**os.environ, "BLINK_RELAY_TOKEN": "ns-token"}
-  env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-  proc = subprocess.Popen(
-      ["ip", "netns", "exec", ns, sys.executable, "-m", "nic_frontend.worker", "--transport",
-       "tcp", "--relay", relay.address, "--tokenizer", str(tok_path), "--model-name", MODEL,
-       "--host", ns_ip, "--port", "0", "--ready-file", str(ready)],
-      cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+  proc = None
   try:
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-      assert proc.poll() is None, (tmp_path / "worker.log").read_text()
-      assert time.monotonic() < deadline, "the worker did not start"
-      time.sleep(0.05)
-    port = json.loads(ready.read_text())["port"]
+    proc, port, _ = FD.start_worker(
+        tmp_path, tok_path, MODEL,
+        ["--transport", "tcp", "--relay", relay.address, "--host", ns_ip],
+        {"BLINK_RELAY_TOKEN": "ns-token"}, prefix=["ip", "netns", "exec", ns])
     client = openai.OpenAI(base_url=f"http://{ns_ip}:{port}/v1", api_key="unused")
     prompt = [2, 3, 4]
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
@@ -92,8 +79,9 @@ def test_frontend_in_another_namespace_serves_through_the_relay(netns, tmp_path)
       client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, top_p=2.0)
     assert int(device.header()["requests_finished"]) == 2
   finally:
-    proc.terminate()
-    proc.wait(20)
+    if proc is not None:
+      proc.terminate()
+      proc.wait(20)
     relay.stop()
     device.stop()
     region.close()

@@ -9,10 +9,7 @@ bundled Gemma 3 270M.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -29,6 +26,7 @@ from blink_jax.config import tiny_config
 from blink_jax.model import Gemma
 from nic_frontend.transports import shm
 from blink_jax.tokenizer import Tokenizer
+from tests import fake_device as FD
 from tests.fake_device import tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,17 +42,8 @@ def _serve(model, tok, tok_path: Path, tmp: Path, name: str, **kw):
                    eng_kw["max_top_logprobs"])
   region = shm.create_region(None, geo.total_bytes)
   engine = Engine(model, tok, region=region, model_name=name, **eng_kw)
-  ready = tmp / f"{name}-ready.json"
-  log = open(tmp / f"{name}-worker.log", "wb")
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "nic_frontend.worker", "--transport", "shm", "--shm-name",
-       region.name, "--tokenizer", str(tok_path), "--model-name", name, "--port", "0",
-       "--ready-file", str(ready)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-  deadline = time.monotonic() + 60
-  while not ready.exists():
-    assert proc.poll() is None and time.monotonic() < deadline, "the worker did not start"
-    time.sleep(0.05)
-  port = json.loads(ready.read_text())["port"]
+  proc, port, _ = FD.start_worker(tmp, tok_path, name, ["--transport", "shm", "--shm-name",
+                                                      region.name])
   return engine, region, proc, f"http://127.0.0.1:{port}/v1"
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from blink_jax import checkpoint as ckpt
 from blink_jax import tokenizer as tk
 from blink_jax.tokenizer import Tokenizer, build_sentencepiece_model
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from blink_jax import executor as X
