@@ -141,6 +141,9 @@ def cuda_library() -> ctypes.CDLL | None:
                                            ctypes.POINTER(ctypes.c_uint64)]
   lib.blink_cuda_unregister_host.argtypes = [ctypes.c_void_p]
   lib.blink_cuda_error_string.restype = ctypes.c_char_p
+  lib.blink_cuda_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
+  lib.blink_cuda_alloc.argtypes = [ctypes.c_uint64, ctypes.POINTER(ctypes.c_void_p)]
+  lib.blink_cuda_free.argtypes = [ctypes.c_void_p]
   return lib
 
 

@@ -92,9 +92,9 @@ REQUEST_DTYPE = np.dtype({
 
 OUTPUT_DTYPE = np.dtype({
     "names": ["started_seq", "finished_seq", "count", "finish_reason", "error_code",
-              "prompt_len", "preemptions", "admit_ticket"],
-    "formats": ["<u4"] * 8,
-    "offsets": [4 * i for i in range(8)],
+              "prompt_len", "preemptions", "admit_ticket", "token_ns"],
+    "formats": ["<u4"] * 8 + ["<u8"],
+    "offsets": [4 * i for i in range(8)] + [32],
     "itemsize": OUTPUT_FIXED_BYTES,
 })
 

@@ -99,6 +99,7 @@ const char* blink_mailbox_layout() {
   F(BlinkSlotOutput, "output", count) F(BlinkSlotOutput, "output", finish_reason)
   F(BlinkSlotOutput, "output", error_code) F(BlinkSlotOutput, "output", prompt_len)
   F(BlinkSlotOutput, "output", preemptions) F(BlinkSlotOutput, "output", admit_ticket)
+  F(BlinkSlotOutput, "output", token_ns)
 #undef F
   snprintf(b, sizeof b, "const.header_bytes=%d;const.request_fixed_bytes=%d;const.output_fixed_bytes=%d;",
            BLINK_HEADER_BYTES, BLINK_REQUEST_FIXED_BYTES, BLINK_OUTPUT_FIXED_BYTES);

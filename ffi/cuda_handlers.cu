@@ -13,13 +13,36 @@ namespace ffi = xla::ffi;
 
 namespace {
 constexpr int kThreads = 512;
+// Dynamic shared memory a launch may use without opting in (cudaFuncSetAttribute is not a
+// stream operation, so it cannot be recorded into a command buffer).
+constexpr int64_t kSharedLimit = 48 * 1024 - 64 * sizeof(int32_t);
+
+// Runs `fn` on a scheduler whose hot state (counters, scalars, lane table, lane scratch) lives
+// in shared memory when it fits: the phases then touch on-chip memory instead of L2.
+template <class Fn>
+__device__ void with_hot_state(BlinkSched& S, int32_t* st, bool shared, Fn fn) {
+  extern __shared__ __align__(16) int32_t hot_copy[];
+  if (!shared) {
+    fn(S);
+    return;
+  }
+  S.use_hot_copy(hot_copy);
+  const int64_t hw = S.hot_words(), lw = S.lane_words();
+  for (int64_t i = threadIdx.x; i < hw; i += blockDim.x) S.hot[i] = st[i];  // counters at 0
+  for (int64_t i = threadIdx.x; i < lw; i += blockDim.x) S.lanes[i] = st[S.lay.lanes + i];
+  __syncthreads();
+  fn(S);
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < hw; i += blockDim.x) st[i] = S.hot[i];
+  for (int64_t i = threadIdx.x; i < lw; i += blockDim.x) st[S.lay.lanes + i] = S.lanes[i];
+}
 
 __global__ void __launch_bounds__(kThreads) schedule_kernel(BlinkSchedConfig c, int32_t* st,
                                                             int32_t* hist, int32_t* pt,
-                                                            int32_t* batch) {
-  __shared__ int32_t scratch[kThreads + 1];
-  BlinkSched(c, reinterpret_cast<uint8_t*>(c.mailbox), st, hist, pt, batch)
-      .schedule(DeviceExec{scratch});
+                                                            int32_t* batch, bool shared) {
+  __shared__ int32_t scratch[kThreads / 32 + 1];
+  BlinkSched S(c, reinterpret_cast<uint8_t*>(c.mailbox), st, hist, pt, batch);
+  with_hot_state(S, st, shared, [&](BlinkSched& s) { s.schedule(DeviceExec{scratch}); });
 }
 
 __global__ void __launch_bounds__(kThreads) commit_kernel(BlinkSchedConfig c, int32_t* st,
@@ -27,10 +50,20 @@ __global__ void __launch_bounds__(kThreads) commit_kernel(BlinkSchedConfig c, in
                                                           int32_t* batch, const int32_t* sampled,
                                                           const float* logprobs,
                                                           const int32_t* top_ids,
-                                                          const float* top_lps, int64_t cols) {
-  __shared__ int32_t scratch[kThreads + 1];
-  BlinkSched(c, reinterpret_cast<uint8_t*>(c.mailbox), st, hist, pt, batch)
-      .commit(DeviceExec{scratch}, sampled, logprobs, top_ids, top_lps, cols);
+                                                          const float* top_lps, int64_t cols,
+                                                          bool shared) {
+  __shared__ int32_t scratch[kThreads / 32 + 1];
+  BlinkSched S(c, reinterpret_cast<uint8_t*>(c.mailbox), st, hist, pt, batch);
+  with_hot_state(S, st, shared, [&](BlinkSched& s) {
+    s.commit(DeviceExec{scratch}, sampled, logprobs, top_ids, top_lps, cols);
+  });
+}
+
+// Dynamic shared memory for the hot state, or 0 when it does not fit (state stays in L2).
+int64_t hot_bytes(const BlinkSchedConfig& c) {
+  BlinkSched probe(c, nullptr, nullptr, nullptr, nullptr, nullptr);
+  int64_t b = probe.hot_copy_words() * int64_t(sizeof(int32_t));
+  return b <= kSharedLimit ? b : 0;
 }
 
 ffi::Error last_error() {
@@ -57,8 +90,11 @@ ffi::Error ScheduleImpl(cudaStream_t s, ffi::Buffer<ffi::S32> state,
   carry(s, state, state_out);
   carry(s, history, history_out);
   carry(s, page_table, page_table_out);
-  schedule_kernel<<<1, kThreads, 0, s>>>(c, state_out->typed_data(), history_out->typed_data(),
-                                         page_table_out->typed_data(), batch->typed_data());
+  int64_t smem = hot_bytes(c);
+  schedule_kernel<<<1, kThreads, smem, s>>>(c, state_out->typed_data(),
+                                            history_out->typed_data(),
+                                            page_table_out->typed_data(), batch->typed_data(),
+                                            smem > 0);
   return last_error();
 }
 
@@ -73,11 +109,12 @@ ffi::Error CommitImpl(cudaStream_t s, ffi::Buffer<ffi::S32> state, ffi::Buffer<f
   carry(s, history, history_out);
   auto dims = top_ids.dimensions();
   int64_t cols = dims.size() == 2 ? dims[1] : 0;
-  commit_kernel<<<1, kThreads, 0, s>>>(
+  int64_t smem = hot_bytes(c);
+  commit_kernel<<<1, kThreads, smem, s>>>(
       c, state_out->typed_data(), history_out->typed_data(),
       const_cast<int32_t*>(page_table.typed_data()), const_cast<int32_t*>(batch.typed_data()),
       sampled.typed_data(), logprobs.typed_data(), top_ids.typed_data(), top_lps.typed_data(),
-      cols);
+      cols, smem > 0);
   return last_error();
 }
 }  // namespace
@@ -107,3 +144,28 @@ extern "C" int blink_cuda_unregister_host(void* ptr) { return int(cudaHostUnregi
 extern "C" const char* blink_cuda_error_string(int code) {
   return cudaGetErrorString(cudaError_t(code));
 }
+
+// Copies to or from device memory on a private non-blocking stream, so that it runs beside a
+// serving loop that occupies XLA's stream (a frontend writing a mailbox kept in GPU memory,
+// as an RDMA NIC would).
+extern "C" int blink_cuda_copy(void* dst, const void* src, uint64_t bytes) {
+  static cudaStream_t stream = nullptr;
+  if (stream == nullptr) {
+    cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    if (e != cudaSuccess) return int(e);
+  }
+  cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream);
+  if (e != cudaSuccess) return int(e);
+  return int(cudaStreamSynchronize(stream));
+}
+
+// A zeroed mailbox in GPU memory (see blink_jax/device_region.py).
+extern "C" int blink_cuda_alloc(uint64_t bytes, void** ptr) {
+  cudaError_t e = cudaMalloc(ptr, bytes);
+  if (e != cudaSuccess) return int(e);
+  e = cudaMemset(*ptr, 0, bytes);
+  if (e != cudaSuccess) return int(e);
+  return int(cudaDeviceSynchronize());
+}
+
+extern "C" int blink_cuda_free(void* ptr) { return int(cudaFree(ptr)); }

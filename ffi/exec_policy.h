@@ -12,15 +12,26 @@
 
 // Loads and stores of mailbox memory: the other side may write it at any time.
 #ifdef __CUDA_ARCH__
+// Acquire/release are single PTX instructions at system scope (ld.acquire.sys /
+// st.release.sys): they order only this thread's accesses, unlike a full
+// __threadfence_system(), which waits for every outstanding write of the thread to reach the
+// host. Mailbox words are 4 or 8 bytes.
 template <class T>
 __device__ __forceinline__ T blink_load(const void* p) {
   return *reinterpret_cast<const volatile T*>(p);
 }
 template <class T>
 __device__ __forceinline__ T blink_load_acquire(const void* p) {
-  T v = *reinterpret_cast<const volatile T*>(p);
-  __threadfence_system();
-  return v;
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "mailbox words are 4 or 8 bytes");
+  if constexpr (sizeof(T) == 4) {
+    uint32_t v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return T(v);
+  } else {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return T(v);
+  }
 }
 template <class T>
 __device__ __forceinline__ void blink_store(void* p, T v) {
@@ -28,8 +39,8 @@ __device__ __forceinline__ void blink_store(void* p, T v) {
 }
 template <class T>
 __device__ __forceinline__ void blink_store_release(void* p, T v) {
-  __threadfence_system();
-  *reinterpret_cast<volatile T*>(p) = v;
+  static_assert(sizeof(T) == 4, "release stores publish 4-byte words");
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(uint32_t(v)) : "memory");
 }
 #else
 template <class T>
@@ -95,7 +106,8 @@ struct HostExec {
 };
 
 #ifdef __CUDACC__
-// One thread block runs the scheduler. `scratch` is shared memory of blockDim.x + 1 ints.
+// One thread block (a multiple of 32 threads) runs the scheduler. `scratch` is shared memory
+// of at least blockDim.x / 32 ints.
 struct DeviceExec {
   int32_t* scratch;
 
@@ -110,28 +122,38 @@ struct DeviceExec {
     __syncthreads();
   }
   __device__ void sync() const { __syncthreads(); }
+  // Warp-shuffle scan: three barriers whatever the block size (a Hillis-Steele scan over
+  // shared memory needs two per doubling).
   template <class F>
   __device__ int32_t exclusive_scan(int64_t n, F value, int32_t* out) const {
-    // Each thread owns a contiguous chunk; a Hillis-Steele scan over the chunk sums.
-    const int t = threadIdx.x, nt = blockDim.x;
+    const int t = threadIdx.x, nt = blockDim.x, ln = t & 31, warp = t >> 5;
+    const int nwarps = (nt + 31) >> 5;
     const int64_t chunk = (n + nt - 1) / nt, lo = t * chunk;
     const int64_t hi = lo + chunk < n ? lo + chunk : n;
     int32_t local = 0;
     for (int64_t i = lo; i < hi; ++i) local += value(i);
-    scratch[t] = local;
-    __syncthreads();
-    for (int off = 1; off < nt; off <<= 1) {
-      int32_t add = t >= off ? scratch[t - off] : 0;
-      __syncthreads();
-      scratch[t] += add;
-      __syncthreads();
+    int32_t incl = local;
+    for (int o = 1; o < 32; o <<= 1) {
+      int32_t u = __shfl_up_sync(0xffffffffu, incl, o);
+      if (ln >= o) incl += u;
     }
-    int32_t acc = scratch[t] - local;
+    if (ln == 31) scratch[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+      int32_t w = ln < nwarps ? scratch[ln] : 0;
+      for (int o = 1; o < 32; o <<= 1) {
+        int32_t u = __shfl_up_sync(0xffffffffu, w, o);
+        if (ln >= o) w += u;
+      }
+      if (ln < nwarps) scratch[ln] = w;  // inclusive prefix of warp totals
+    }
+    __syncthreads();
+    int32_t acc = incl - local + (warp > 0 ? scratch[warp - 1] : 0);
     for (int64_t i = lo; i < hi; ++i) {
       out[i] = acc;
       acc += value(i);
     }
-    int32_t total = scratch[nt - 1];
+    int32_t total = scratch[nwarps - 1];
     __syncthreads();
     return total;
   }

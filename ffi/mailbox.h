@@ -149,7 +149,8 @@ struct BlinkSlotOutput {
   uint32_t prompt_len;    // echo of the validated prompt length
   uint32_t preemptions;   // times this request was preempted and recomputed
   uint32_t admit_ticket;  // 1 + admission order among all requests; 0 = not admitted
-  uint32_t pad0[8];
+  uint64_t token_ns;      // device clock (ns) when entry count-1 was written; for latency
+  uint32_t pad0[6];
   // Entry e of the request lives at ring index e % ring_capacity:
   //   int32_t tokens[ring]; float logprobs[ring];
   //   int32_t top_ids[ring][max_top_logprobs]; float top_logprobs[ring][max_top_logprobs]

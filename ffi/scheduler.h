@@ -23,18 +23,49 @@ struct BlinkSched {
   BlinkStateLayout lay;
   BlinkGeometry geo;
   int64_t mpps;
+  // The hot part of the state: counters + scalars, the lane table and the per-lane scratch
+  // arrays. They point into `st` unless a caller (the CUDA kernels) moved them into faster
+  // memory with use_hot_copy(); everything else stays in `st`.
+  int32_t* hot;
+  int32_t* lanes;
+  int32_t* lscratch;
+  int64_t lscratch_stride;
 
   BLINK_HD BlinkSched(const BlinkSchedConfig& cfg, uint8_t* mailbox, int32_t* state,
                       int32_t* hist, int32_t* pt, int32_t* b)
       : c(cfg), mb(mailbox), st(state), history(hist), page_table(pt), batch(b), lay(cfg),
-        geo(cfg.geometry()), mpps(cfg.max_pages_per_seq()) {}
+        geo(cfg.geometry()), mpps(cfg.max_pages_per_seq()), hot(state),
+        lanes(state + lay.lanes), lscratch(state + lay.scratch_a),
+        lscratch_stride(lay.scratch_b - lay.scratch_a) {}
+
+  // Sizes (int32 words) of the hot regions, for a caller that keeps a copy of them.
+  BLINK_HD int64_t hot_words() const { return lay.scalars + S_NUM_SCALARS; }
+  BLINK_HD int64_t lane_words() const { return int64_t(L_NUM_FIELDS) * c.max_seqs; }
+  BLINK_HD int64_t lscratch_words() const { return 4 * lane_scratch_len(); }
+  BLINK_HD int64_t lane_scratch_len() const {
+    return (c.max_seqs > BLINK_MAX_WORKERS ? c.max_seqs : BLINK_MAX_WORKERS) + 1;
+  }
+  // Points the hot regions at a copy laid out as [hot | lanes | lane scratch]; `copy` must be
+  // 8-byte aligned and filled from the state by the caller (scratch needs no filling).
+  BLINK_HD void use_hot_copy(int32_t* copy) {
+    int64_t hw = (hot_words() + 1) & ~int64_t(1);  // keeps the lane table 8-byte aligned
+    hot = copy;
+    lanes = copy + hw;
+    lscratch = lanes + lane_words();
+    lscratch_stride = lane_scratch_len();
+  }
+  BLINK_HD int64_t hot_copy_words() const {
+    return ((hot_words() + 1) & ~int64_t(1)) + lane_words() + lscratch_words();
+  }
 
   // ---- state accessors ----
   BLINK_HD uint64_t& counter(int i) const {
-    return reinterpret_cast<uint64_t*>(st + lay.counters)[i];
+    return reinterpret_cast<uint64_t*>(hot + lay.counters)[i];
   }
-  BLINK_HD int32_t& s(int i) const { return st[lay.scalars + i]; }
-  BLINK_HD int32_t& lane(int f, int64_t l) const { return st[lay.lanes + f * c.max_seqs + l]; }
+  BLINK_HD int32_t& s(int i) const { return hot[lay.scalars + i]; }
+  BLINK_HD int32_t& lane(int f, int64_t l) const { return lanes[f * c.max_seqs + l]; }
+  // Scratch arrays indexed by lane, admission order or frontend worker (k = 0..3).
+  BLINK_HD int32_t* lscr(int k) const { return lscratch + k * lscratch_stride; }
   BLINK_HD int32_t* region(int64_t off) const { return st + off; }
   BLINK_HD int32_t& pt(int64_t l, int64_t p) const { return page_table[l * mpps + p]; }
   BLINK_HD int32_t* tok_array(int a) const { return batch + B_HEADER_WORDS + a * c.token_budget; }
@@ -231,14 +262,14 @@ struct BlinkSched {
     });
     // One round trip to the mailbox per step: every doorbell and the shutdown word are loaded
     // in parallel (on the GPU each load crosses PCIe). Entry MAX_WORKERS is the shutdown word.
-    int32_t* a = region(lay.scratch_a);
+    int32_t* a = lscr(0);
     x.parallel(BLINK_MAX_WORKERS + 1, [&](int64_t w) {
       a[w] = w < BLINK_MAX_WORKERS
                  ? int32_t(uint32_t(blink_load_acquire<uint64_t>(&hdr()->doorbell[w])))
                  : int32_t(blink_load<uint32_t>(&hdr()->shutdown) != 0);
     });
     int32_t total = x.exclusive_scan(BLINK_MAX_WORKERS, [&](int64_t w) { return a[w]; },
-                                     region(lay.scratch_b));
+                                     lscr(1));
     x.serial([&] {
       s(S_SHUTDOWN) = a[BLINK_MAX_WORKERS];
       s(S_DOORBELL_NOW) = total;
@@ -308,8 +339,8 @@ struct BlinkSched {
   // otherwise serially in admission order with preemption of the youngest.
   template <class X>
   BLINK_HD void decode_pass(const X& x) const {
-    int32_t *ready = region(lay.scratch_a), *row = region(lay.scratch_b),
-            *need = region(lay.scratch_c), *noff = region(lay.scratch_d);
+    int32_t *ready = lscr(0), *row = lscr(1),
+            *need = lscr(2), *noff = lscr(3);
     x.parallel(c.max_seqs, [&](int64_t l) {
       ready[l] = decode_ready(l);
       need[l] = ready[l] && lane(L_COMPUTED, l) % c.page_size == 0;
@@ -561,8 +592,8 @@ struct BlinkSched {
   // Frees pages and lanes of finishing requests and writes their finish to the mailbox.
   template <class X>
   BLINK_HD void release_finished(const X& x) const {
-    int32_t *fin = region(lay.scratch_a), *poff = region(lay.scratch_b),
-            *loff = region(lay.scratch_c);
+    int32_t *fin = lscr(0), *poff = lscr(1),
+            *loff = lscr(2);
     x.parallel(c.max_seqs, [&](int64_t l) {
       fin[l] = lane(L_STATE, l) != LANE_FREE && lane(L_FINISH, l) != BLINK_FINISH_NONE;
     });
@@ -583,23 +614,23 @@ struct BlinkSched {
     });
     // Keep the admission order of the lanes that stay (stable compaction).
     int32_t* order = region(lay.order);
-    int32_t* keep = region(lay.scratch_d);
+    int32_t* keep = lscr(3);
     int32_t norder = s(S_ORDER_COUNT);
     x.parallel(norder, [&](int64_t i) { keep[i] = !fin[order[i]]; });
-    int32_t* dst = region(lay.scratch_b);  // page offsets are no longer needed
+    int32_t* dst = lscr(1);  // page offsets are no longer needed
     int32_t nkeep = x.exclusive_scan(norder, [&](int64_t i) { return keep[i]; }, dst);
-    int32_t* tmp = region(lay.scratch_c);   // lane offsets are no longer needed
+    int32_t* tmp = lscr(2);   // lane offsets are no longer needed
     x.parallel(norder, [&](int64_t i) {
       if (keep[i]) tmp[dst[i]] = order[i];
     });
     x.parallel(nkeep, [&](int64_t i) { order[i] = tmp[i]; });
     int32_t nerr = x.exclusive_scan(
         c.max_seqs, [&](int64_t l) { return fin[l] && lane(L_FINISH, l) == BLINK_FINISH_ERROR; },
-        region(lay.scratch_b));
+        lscr(1));
     int32_t ncanc = x.exclusive_scan(
         c.max_seqs,
         [&](int64_t l) { return fin[l] && lane(L_FINISH, l) == BLINK_FINISH_CANCELLED; },
-        region(lay.scratch_c));
+        lscr(2));
     x.parallel(c.max_seqs, [&](int64_t l) {
       if (!fin[l]) return;
       lane(L_STATE, l) = LANE_FREE;
@@ -645,6 +676,7 @@ struct BlinkSched {
         }
       }
       lane(L_OUT_COUNT, l) = int32_t(e + 1);
+      blink_store<uint64_t>(o + OUT_OFF(token_ns), X_now_ns());
       blink_store_release<uint32_t>(o + OUT_OFF(count), e + 1);
       lane(L_LEN, l) = len + 1;
       lane(L_GENERATED, l) += 1;

@@ -33,6 +33,8 @@ flags.DEFINE_float("seconds", 2.0, "measurement window per configuration")
 flags.DEFINE_integer("repeats", 3, "windows per configuration (median and spread reported)")
 flags.DEFINE_string("out", "bench/results/sched_step.json", "JSON result file")
 flags.DEFINE_integer("interference", 0, "also measure with N memory-thrashing processes")
+flags.DEFINE_list("mailbox", ["host"], "where the mailbox lives: host (host-mapped shared "
+                  "memory, the shm transport) and/or device (GPU memory, as an RDMA NIC writes it)")
 
 
 def _loop(cfg: F.SchedConfig):
@@ -78,20 +80,34 @@ def _drain(client: M.MailboxClient, region: M.LocalRegion, geo: P.Geometry,
     time.sleep(50e-6)
 
 
-def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: int = 0) -> dict:
-  ctx, ps = 1 << 16, 64  # long contexts: requests rarely finish (the drainer resubmits)
-  geo = P.Geometry(slots, 16, 64, 0)
+def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: int = 0,
+            mailbox: str = "host") -> dict:
+  on_device = mailbox == "device"
+  if on_device:
+    # Nobody drains a GPU-memory mailbox here: rings and contexts hold the whole run.
+    ctx, ps, ring, slots = 1 << 19, 64, 1 << 18, max(2 * lanes, 8)
+  else:
+    ctx, ps, ring = 1 << 16, 64, 64  # long contexts: requests rarely finish (resubmitted)
+  geo = P.Geometry(slots, 16, ring, 0)
   engine_region = M.LocalRegion(C.host_buffer(geo.total_bytes))
   M.init_header(engine_region, geo, vocab_size=32000, max_context=ctx, num_workers=1, eos_id=1)
-  addr, release = C.device_mailbox(engine_region, geo.total_bytes)
+  if on_device:
+    from blink_jax.device_region import DeviceRegion
+    dev_region = DeviceRegion(geo.total_bytes)
+    addr, release, header_region = dev_region.address, dev_region.free, dev_region
+  else:
+    addr, release = C.device_mailbox(engine_region, geo.total_bytes)
+    header_region = engine_region
   budget = max(lanes, 8)
   cfg = F.SchedConfig.build(
-      mailbox=addr, num_slots=slots, max_prompt=16, ring_capacity=64, max_top_logprobs=0,
+      mailbox=addr, num_slots=slots, max_prompt=16, ring_capacity=ring, max_top_logprobs=0,
       vocab_size=32000, max_seqs=lanes, max_context=ctx, page_size=ps,
       num_pages=lanes * (ctx // ps), buckets=(budget,), eos_ids=(), idle_poll_us=0)
   client = M.MailboxClient(engine_region)
   for i in range(lanes):
     client.submit(REQUEST)
+  if on_device:
+    dev_region.upload(engine_region.buf)
   F.register_targets()
   loop = _loop(cfg)
   dev = jax.devices()[0]
@@ -103,8 +119,8 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: 
     compiled = loop.lower(state, hist, pt).compile()
   driver = command_buffer_report(compiled, log_text(), dev, "persistent")
   stop = threading.Event()
-  drainer = threading.Thread(target=_drain, args=(client, engine_region, geo, stop), daemon=True)
-  drainer.start()
+  if not on_device:
+    threading.Thread(target=_drain, args=(client, engine_region, geo, stop), daemon=True).start()
   result = {}
   done = threading.Event()
   out = {}
@@ -123,21 +139,22 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: 
     time.sleep(1.0)
   per_iter = []
   for _ in range(repeats):
-    h0, t0 = M.read_header(engine_region), time.perf_counter()
+    h0, t0 = M.read_header(header_region), time.perf_counter()
     time.sleep(seconds)
-    h1, t1 = M.read_header(engine_region), time.perf_counter()
+    h1, t1 = M.read_header(header_region), time.perf_counter()
     it = int(h1["loop_iterations"]) - int(h0["loop_iterations"])
     toks = int(h1["tokens_generated"]) - int(h0["tokens_generated"])
     per_iter.append((t1 - t0) / max(it, 1) * 1e6)
     result.setdefault("tokens_per_iteration", []).append(toks / max(it, 1))
   for p in procs:
     p.kill()
-  engine_region.write(P.HEADER_DTYPE.fields["shutdown"][1], (1).to_bytes(4, "little"))
+  header_region.write(P.HEADER_DTYPE.fields["shutdown"][1], (1).to_bytes(4, "little"))
   th.join(60)
   stop.set()
   release()
   result.update(C.stats(per_iter, "us_per_step"))
-  result.update(lanes=lanes, slots=slots, interference=interference, running=int(h1["running"]),
+  result.update(lanes=lanes, slots=slots, mailbox=mailbox, interference=interference,
+                running=int(h1["running"]),
                 errored=int(h1["requests_errored"]), admitted=int(h1["requests_admitted"]),
                 finished=int(h1["requests_finished"]), cancelled=int(h1["requests_cancelled"]),
                 **driver)
@@ -147,9 +164,10 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: 
 def main(argv):
   del argv
   xla_flags.configure_command_buffers()
-  rows = [measure(int(n), FLAGS.slots, FLAGS.seconds, FLAGS.repeats, lvl)
-          for n in FLAGS.lanes for lvl in ([0, FLAGS.interference] if FLAGS.interference else [0])]
-  print(C.table(rows, ["lanes", "slots", "interference", "running", "us_per_step_median", "us_per_step_min",
+  rows = [measure(int(n), FLAGS.slots, FLAGS.seconds, FLAGS.repeats, lvl, mb)
+          for mb in FLAGS.mailbox for n in FLAGS.lanes
+          for lvl in ([0, FLAGS.interference] if FLAGS.interference else [0])]
+  print(C.table(rows, ["mailbox", "lanes", "slots", "interference", "running", "us_per_step_median", "us_per_step_min",
                        "us_per_step_max", "tokens_per_iteration", "device_while"]))
   C.write_result(FLAGS.out, "sched_step", rows)
 

@@ -17,6 +17,7 @@ log "device"; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm 
   2>&1 | tee -a "$OUT/log.txt"; python3 -c "import jax; print(jax.__version__, jax.devices())" \
   2>&1 | tail -1 | tee -a "$OUT/log.txt"
 
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" 2>&1 | tail -1 | tee -a "$OUT/log.txt"
 log "build"
 cmake -S . -B build/device -G Ninja -DSKBUILD_STATE=editable -DPython_EXECUTABLE="$(which python3)" \
   >"$OUT/build.txt" 2>&1 && cmake --build build/device >>"$OUT/build.txt" 2>&1 \
@@ -55,8 +56,8 @@ with Engine(Gemma(tiny_config('gemma3', vocab_size=512), dtype=jnp.float32), Non
 fi
 if has sched; then
   log "scheduler microbenchmark"
-  timeout 300 python3 scripts/bench_sched.py --lanes 1,64,256 --slots 4096 --seconds 1 \
-    --repeats 3 --interference 32 --out bench/results/sched_step_h200.json 2>&1 | grep -v "^[IW]1" \
+  timeout 400 python3 scripts/bench_sched.py --lanes 1,64,256 --slots 4096 --seconds 0.5 \
+    --repeats 3 --interference 32 --mailbox host,device --out bench/results/sched_step_h200.json 2>&1 | grep -v "^[IW]1" \
     | tail -12 | tee -a "$OUT/log.txt"
   cp bench/results/sched_step_h200.json "$OUT/" 2>/dev/null
 fi
