@@ -107,7 +107,7 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: 
   for i in range(lanes):
     client.submit(REQUEST)
   if on_device:
-    dev_region.upload(engine_region.buf)
+    dev_region.upload(engine_region.buf[:geo.total_bytes])
   F.register_targets()
   loop = _loop(cfg)
   dev = jax.devices()[0]
