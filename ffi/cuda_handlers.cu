@@ -19,11 +19,16 @@ constexpr int64_t kSharedLimit = 48 * 1024 - 64 * sizeof(int32_t);
 
 // Runs `fn` on a scheduler whose hot state (counters, scalars, lane table, lane scratch) lives
 // in shared memory when it fits: the phases then touch on-chip memory instead of L2.
+// Adds the kernel's own duration to counter `timer` (how much of a loop iteration the
+// scheduler itself takes, as opposed to launches around it).
 template <class Fn>
-__device__ void with_hot_state(BlinkSched& S, int32_t* st, bool shared, Fn fn) {
+__device__ void with_hot_state(BlinkSched& S, int32_t* st, bool shared, int timer, Fn fn) {
   extern __shared__ __align__(16) int32_t hot_copy[];
+  const uint64_t t0 = DeviceExec::now_ns();
   if (!shared) {
     fn(S);
+    __syncthreads();
+    if (threadIdx.x == 0) S.counter(timer) += DeviceExec::now_ns() - t0;
     return;
   }
   S.use_hot_copy(hot_copy);
@@ -32,6 +37,8 @@ __device__ void with_hot_state(BlinkSched& S, int32_t* st, bool shared, Fn fn) {
   for (int64_t i = threadIdx.x; i < lw; i += blockDim.x) S.lanes[i] = st[S.lay.lanes + i];
   __syncthreads();
   fn(S);
+  __syncthreads();
+  if (threadIdx.x == 0) S.counter(timer) += DeviceExec::now_ns() - t0;
   __syncthreads();
   for (int64_t i = threadIdx.x; i < hw; i += blockDim.x) st[i] = S.hot[i];
   for (int64_t i = threadIdx.x; i < lw; i += blockDim.x) st[S.lay.lanes + i] = S.lanes[i];
@@ -42,7 +49,7 @@ __global__ void __launch_bounds__(kThreads) schedule_kernel(BlinkSchedConfig c, 
                                                             int32_t* batch, bool shared) {
   __shared__ int32_t scratch[kThreads / 32 + 1];
   BlinkSched S(c, reinterpret_cast<uint8_t*>(c.mailbox), st, hist, pt, batch);
-  with_hot_state(S, st, shared, [&](BlinkSched& s) { s.schedule(DeviceExec{scratch}); });
+  with_hot_state(S, st, shared, C_SCHEDULE_NS, [&](BlinkSched& s) { s.schedule(DeviceExec{scratch}); });
 }
 
 __global__ void __launch_bounds__(kThreads) commit_kernel(BlinkSchedConfig c, int32_t* st,
@@ -54,7 +61,7 @@ __global__ void __launch_bounds__(kThreads) commit_kernel(BlinkSchedConfig c, in
                                                           bool shared) {
   __shared__ int32_t scratch[kThreads / 32 + 1];
   BlinkSched S(c, reinterpret_cast<uint8_t*>(c.mailbox), st, hist, pt, batch);
-  with_hot_state(S, st, shared, [&](BlinkSched& s) {
+  with_hot_state(S, st, shared, C_COMMIT_NS, [&](BlinkSched& s) {
     s.commit(DeviceExec{scratch}, sampled, logprobs, top_ids, top_lps, cols);
   });
 }

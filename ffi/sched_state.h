@@ -93,6 +93,8 @@ enum BlinkCounter {
   C_ERRORED,
   C_CANCELLED,
   C_PREEMPTIONS,
+  C_SCHEDULE_NS,   // device time inside the schedule kernel (CUDA handlers only)
+  C_COMMIT_NS,     // device time inside the commit kernel (CUDA handlers only)
   C_NUM_COUNTERS = 16
 };
 

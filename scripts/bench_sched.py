@@ -152,6 +152,11 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: 
   th.join(60)
   stop.set()
   release()
+  if "carry" in out:  # device time inside the two kernels, over the whole run (CUDA only)
+    ctr = np.asarray(out["carry"][0][:32]).view(np.uint64)
+    iters = max(int(ctr[1]), 1)
+    result.update(schedule_kernel_us=float(ctr[10]) / iters / 1e3,
+                  commit_kernel_us=float(ctr[11]) / iters / 1e3)
   result.update(C.stats(per_iter, "us_per_step"))
   result.update(lanes=lanes, slots=slots, mailbox=mailbox, interference=interference,
                 running=int(h1["running"]),
@@ -168,7 +173,8 @@ def main(argv):
           for mb in FLAGS.mailbox for n in FLAGS.lanes
           for lvl in ([0, FLAGS.interference] if FLAGS.interference else [0])]
   print(C.table(rows, ["mailbox", "lanes", "slots", "interference", "running", "us_per_step_median", "us_per_step_min",
-                       "us_per_step_max", "tokens_per_iteration", "device_while"]))
+                       "us_per_step_max", "schedule_kernel_us", "commit_kernel_us",
+                       "tokens_per_iteration", "device_while"]))
   C.write_result(FLAGS.out, "sched_step", rows)
 
 

@@ -54,6 +54,15 @@ with Engine(Gemma(tiny_config('gemma3', vocab_size=512), dtype=jnp.float32), Non
     | sort | uniq -c | head -20 | tee -a "$OUT/log.txt"
   gzip -f "$OUT/vlog_sched.txt" "$OUT/vlog_engine.txt"
 fi
+if has overhead; then
+  log "loop overhead: which loop elements slow down under CPU interference"
+  for cb in true false; do
+    timeout 200 python3 scripts/diag_loop_overhead.py --command_buffers=$cb --iters 20000 \
+      --interference 32 --out bench/results/loop_overhead_h200_cb_$cb.json 2>&1 \
+      | grep -v "^[IW]1" | tail -13 | tee -a "$OUT/log.txt"
+    cp bench/results/loop_overhead_h200_cb_$cb.json "$OUT/" 2>/dev/null
+  done
+fi
 if has sched; then
   log "scheduler microbenchmark"
   timeout 400 python3 scripts/bench_sched.py --lanes 1,64,256 --slots 4096 --seconds 0.5 \

@@ -1,0 +1,141 @@
+"""Which part of a device-side serving loop does host CPU interference reach?
+
+Runs small `lax.while_loop`s for a fixed number of iterations, each quiet and under N
+memory-thrashing processes, and reports the time per iteration and the ratio. Nothing in
+these loops touches host memory (the scheduler's mailbox is in GPU memory), so a loop that
+slows down under interference is paying for something the host does per iteration or per
+kernel.
+
+  python scripts/diag_loop_overhead.py --interference 32 --iters 20000
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from jax import lax
+
+from blink_jax import xla_flags
+from scripts import bench_common as C
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("iters", 20000, "loop iterations per measurement")
+flags.DEFINE_integer("interference", 32, "thrashing processes")
+flags.DEFINE_integer("repeats", 3, "measurements per variant and level")
+flags.DEFINE_list("variants", ["trivial", "kernels20", "switch", "sched", "sched_commit"],
+                  "loops to measure")
+flags.DEFINE_string("out", "bench/results/loop_overhead.json", "JSON result file")
+flags.DEFINE_bool("command_buffers", True, "set XLA's command-buffer flags (device-side WHILE)")
+
+
+def _sched_loop(commit: bool):
+  from blink_jax import batch as B
+  from blink_jax import ffi as F
+  from blink_jax import protocol as P
+  from blink_jax.device_region import DeviceRegion
+  from blink_jax.executor import commit_call, schedule_call
+  geo = P.Geometry(64, 16, 64, 0)
+  region = DeviceRegion(geo.total_bytes)
+  cfg = F.SchedConfig.build(
+      mailbox=region.address, num_slots=64, max_prompt=16, ring_capacity=64,
+      max_top_logprobs=0, vocab_size=32000, max_seqs=64, max_context=4096, page_size=16,
+      num_pages=1024, buckets=(64,), eos_ids=(), idle_poll_us=0)
+  F.register_targets()
+  z = jnp.zeros((64,), jnp.int32)
+
+  def body(c):
+    i, state, hist, pt = c
+    state, hist, pt, words = schedule_call(cfg, state, hist, pt)
+    if commit:
+      lp = lax.bitcast_convert_type(words[:64], jnp.float32)
+      state, hist = commit_call(cfg, state, hist, pt, words, words[:64], lp,
+                                words[:64, None][:, :0], lp[:, None][:, :0])
+    return i + 1, state, hist, pt
+
+  args = (jnp.asarray(F.initial_state(cfg)), jnp.zeros((64, 4096), jnp.int32),
+          jnp.zeros((64, cfg.max_pages_per_seq), jnp.int32))
+  del z
+  return body, args, region
+
+
+def variant(name: str):
+  """(body over (i, *rest), rest, keepalive)."""
+  if name == "trivial":
+    return (lambda c: (c[0] + 1, c[1] * 1.0001)), (jnp.ones((8,), jnp.float32),), None
+  if name == "kernels20":
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((64, 64)) / 8, jnp.float32)
+
+    def body(c):
+      i, x = c
+      for _ in range(20):  # a matmul and a fusion each: ~40 kernels per iteration
+        x = jnp.tanh(x @ w)
+      return i + 1, x
+    return body, (jnp.ones((8, 64), jnp.float32),), w
+  if name == "switch":
+    def body(c):
+      i, x = c
+      x = lax.switch(i % 3, [lambda x: x * 1.0001, lambda x: x + 1.0, lambda x: x - 1.0], x)
+      return i + 1, x
+    return body, (jnp.ones((8,), jnp.float32),), None
+  if name == "sched":
+    return _sched_loop(commit=False)
+  if name == "sched_commit":
+    return _sched_loop(commit=True)
+  raise ValueError(f"unknown variant {name!r}")
+
+
+def measure(name: str, levels: list[int], iters: int, repeats: int) -> list[dict]:
+  body, rest, keep = variant(name)
+  n = jnp.int32(iters)
+  run = jax.jit(lambda rest: lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(0), *rest)))
+  jax.block_until_ready(run(rest))  # compile + warm
+  rows = []
+  for lvl in levels:
+    procs = C.start_interference(lvl, set(os.sched_getaffinity(0)), 120) if lvl else []
+    try:
+      if procs:
+        time.sleep(1.0)
+      per, kernel = [], []
+      for _ in range(repeats):
+        t = time.perf_counter()
+        out = jax.block_until_ready(run(rest))
+        per.append((time.perf_counter() - t) / iters * 1e6)
+        if name.startswith("sched"):  # counters C_SCHEDULE_NS, C_COMMIT_NS of the state
+          ns = np.asarray(out[1][:32]).view(np.uint64)[10:12]
+          kernel.append(float(ns.sum()) / iters / 1e3)
+    finally:
+      for p in procs:
+        p.kill()
+      for p in procs:
+        p.wait()
+    rows.append({"variant": name, "interference": lvl, **C.stats(per, "us_per_iter"),
+                 **(C.stats(kernel, "kernel_us_per_iter") if kernel else {})})
+  quiet = rows[0]["us_per_iter_median"]
+  for r in rows:
+    r["ratio"] = r["us_per_iter_median"] / quiet
+  if keep is not None and hasattr(keep, "free"):
+    keep.free()
+  return rows
+
+
+def main(argv):
+  del argv
+  if FLAGS.command_buffers:
+    xla_flags.configure_command_buffers()
+  levels = [0] + ([FLAGS.interference] if FLAGS.interference else [])
+  rows = []
+  for v in FLAGS.variants:
+    rows += [dict(r, command_buffers=FLAGS.command_buffers)
+             for r in measure(v, levels, FLAGS.iters, FLAGS.repeats)]
+    print(rows[-1], flush=True)
+  print(C.table(rows, ["variant", "command_buffers", "interference", "us_per_iter_median",
+                       "us_per_iter_min", "us_per_iter_max", "ratio", "kernel_us_per_iter_median"]))
+  C.write_result(FLAGS.out, "loop_overhead", rows, {"iters": FLAGS.iters})
+
+
+if __name__ == "__main__":
+  app.run(main)
