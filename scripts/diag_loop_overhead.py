@@ -26,39 +26,43 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("iters", 20000, "loop iterations per measurement")
 flags.DEFINE_integer("interference", 32, "thrashing processes")
 flags.DEFINE_integer("repeats", 3, "measurements per variant and level")
-flags.DEFINE_list("variants", ["trivial", "kernels20", "switch", "sched", "sched_commit"],
+flags.DEFINE_list("variants", ["trivial", "kernels20", "switch", "ffi_s", "ffi_sc", "ffi_c",
+                                "ffi_ss", "ffi_cc", "ffi_sc_top1"],
                   "loops to measure")
 flags.DEFINE_string("out", "bench/results/loop_overhead.json", "JSON result file")
 flags.DEFINE_bool("command_buffers", True, "set XLA's command-buffer flags (device-side WHILE)")
 
 
-def _sched_loop(commit: bool):
-  from blink_jax import batch as B
+def _sched_loop(calls: str, top: int = 0):
+  """A loop over scheduler calls ('s' schedule, 'c' commit, in order) on an empty mailbox
+  in GPU memory; `top` columns of top-logprob inputs to commit."""
   from blink_jax import ffi as F
   from blink_jax import protocol as P
   from blink_jax.device_region import DeviceRegion
   from blink_jax.executor import commit_call, schedule_call
-  geo = P.Geometry(64, 16, 64, 0)
+  geo = P.Geometry(64, 16, 64, top)
   region = DeviceRegion(geo.total_bytes)
   cfg = F.SchedConfig.build(
       mailbox=region.address, num_slots=64, max_prompt=16, ring_capacity=64,
-      max_top_logprobs=0, vocab_size=32000, max_seqs=64, max_context=4096, page_size=16,
+      max_top_logprobs=top, vocab_size=32000, max_seqs=64, max_context=4096, page_size=16,
       num_pages=1024, buckets=(64,), eos_ids=(), idle_poll_us=0)
   F.register_targets()
-  z = jnp.zeros((64,), jnp.int32)
 
   def body(c):
-    i, state, hist, pt = c
-    state, hist, pt, words = schedule_call(cfg, state, hist, pt)
-    if commit:
-      lp = lax.bitcast_convert_type(words[:64], jnp.float32)
-      state, hist = commit_call(cfg, state, hist, pt, words, words[:64], lp,
-                                words[:64, None][:, :0], lp[:, None][:, :0])
-    return i + 1, state, hist, pt
+    i, state, hist, pt, words = c
+    for k in calls:
+      if k == "s":
+        state, hist, pt, words = schedule_call(cfg, state, hist, pt)
+      else:
+        lp = lax.bitcast_convert_type(words[:64], jnp.float32)
+        tid = jnp.broadcast_to(words[:64, None], (64, top))
+        state, hist = commit_call(cfg, state, hist, pt, words, words[:64], lp, tid,
+                                  lax.bitcast_convert_type(tid, jnp.float32))
+    return i + 1, state, hist, pt, words
 
   args = (jnp.asarray(F.initial_state(cfg)), jnp.zeros((64, 4096), jnp.int32),
-          jnp.zeros((64, cfg.max_pages_per_seq), jnp.int32))
-  del z
+          jnp.zeros((64, cfg.max_pages_per_seq), jnp.int32),
+          jnp.zeros((F.batch_words(cfg),), jnp.int32))
   return body, args, region
 
 
@@ -81,10 +85,10 @@ def variant(name: str):
       x = lax.switch(i % 3, [lambda x: x * 1.0001, lambda x: x + 1.0, lambda x: x - 1.0], x)
       return i + 1, x
     return body, (jnp.ones((8,), jnp.float32),), None
-  if name == "sched":
-    return _sched_loop(commit=False)
-  if name == "sched_commit":
-    return _sched_loop(commit=True)
+  if name.startswith("ffi_"):  # ffi_<calls>[_top<k>], e.g. ffi_sc, ffi_c, ffi_ss, ffi_sc_top1
+    parts = name.split("_")
+    top = int(parts[2][3:]) if len(parts) > 2 else 0
+    return _sched_loop(parts[1], top)
   raise ValueError(f"unknown variant {name!r}")
 
 
@@ -104,7 +108,7 @@ def measure(name: str, levels: list[int], iters: int, repeats: int) -> list[dict
         t = time.perf_counter()
         out = jax.block_until_ready(run(rest))
         per.append((time.perf_counter() - t) / iters * 1e6)
-        if name.startswith("sched"):  # counters C_SCHEDULE_NS, C_COMMIT_NS of the state
+        if name.startswith("ffi_"):  # counters C_SCHEDULE_NS, C_COMMIT_NS of the state
           ns = np.asarray(out[1][:32]).view(np.uint64)[10:12]
           kernel.append(float(ns.sum()) / iters / 1e3)
     finally:

@@ -56,10 +56,10 @@ with Engine(Gemma(tiny_config('gemma3', vocab_size=512), dtype=jnp.float32), Non
 fi
 if has overhead; then
   log "loop overhead: which loop elements slow down under CPU interference"
-  for cb in true false; do
-    timeout 200 python3 scripts/diag_loop_overhead.py --command_buffers=$cb --iters 20000 \
+  for cb in ${CMD_BUFFERS:-true false}; do
+    timeout 250 python3 scripts/diag_loop_overhead.py --command_buffers=$cb --iters 20000 --repeats 2 \
       --interference 32 --out bench/results/loop_overhead_h200_cb_$cb.json 2>&1 \
-      | grep -v "^[IW]1" | tail -13 | tee -a "$OUT/log.txt"
+      | grep -v "^[IW]1" | tail -21 | tee -a "$OUT/log.txt"
     cp bench/results/loop_overhead_h200_cb_$cb.json "$OUT/" 2>/dev/null
   done
 fi
