@@ -144,6 +144,7 @@ def cuda_library() -> ctypes.CDLL | None:
   lib.blink_cuda_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
   lib.blink_cuda_alloc.argtypes = [ctypes.c_uint64, ctypes.POINTER(ctypes.c_void_p)]
   lib.blink_cuda_free.argtypes = [ctypes.c_void_p]
+  lib.blink_cuda_unaliased_calls.restype = ctypes.c_int64
   return lib
 
 

@@ -11,6 +11,7 @@ kernel.
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import jax
@@ -96,7 +97,13 @@ def measure(name: str, levels: list[int], iters: int, repeats: int) -> list[dict
   body, rest, keep = variant(name)
   n = jnp.int32(iters)
   run = jax.jit(lambda rest: lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(0), *rest)))
-  jax.block_until_ready(run(rest))  # compile + warm
+  compiled = run.lower(rest).compile()
+  hlo = compiled.as_text()
+  copies = sum(1 for l in hlo.splitlines() if re.search(r"= \S+ copy(-start)?\(", l))
+  jax.block_until_ready(run(rest))  # warm
+  from blink_jax import ffi as F
+  cuda = F.cuda_library()
+  unaliased = int(cuda.blink_cuda_unaliased_calls()) if cuda is not None else None
   rows = []
   for lvl in levels:
     procs = C.start_interference(lvl, set(os.sched_getaffinity(0)), 120) if lvl else []
@@ -116,7 +123,8 @@ def measure(name: str, levels: list[int], iters: int, repeats: int) -> list[dict
         p.kill()
       for p in procs:
         p.wait()
-    rows.append({"variant": name, "interference": lvl, **C.stats(per, "us_per_iter"),
+    rows.append({"variant": name, "interference": lvl, "hlo_copies": copies,
+                 "unaliased_ffi_calls": unaliased, **C.stats(per, "us_per_iter"),
                  **(C.stats(kernel, "kernel_us_per_iter") if kernel else {})})
   quiet = rows[0]["us_per_iter_median"]
   for r in rows:
@@ -137,7 +145,8 @@ def main(argv):
              for r in measure(v, levels, FLAGS.iters, FLAGS.repeats)]
     print(rows[-1], flush=True)
   print(C.table(rows, ["variant", "command_buffers", "interference", "us_per_iter_median",
-                       "us_per_iter_min", "us_per_iter_max", "ratio", "kernel_us_per_iter_median"]))
+                       "us_per_iter_min", "us_per_iter_max", "ratio", "kernel_us_per_iter_median",
+                       "hlo_copies", "unaliased_ffi_calls"]))
   C.write_result(FLAGS.out, "loop_overhead", rows, {"iters": FLAGS.iters})
 
 
