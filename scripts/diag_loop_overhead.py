@@ -31,6 +31,7 @@ flags.DEFINE_list("variants", ["trivial", "kernels20", "switch", "ffi_s", "ffi_s
                                 "ffi_ss", "ffi_cc", "ffi_sc_top1"],
                   "loops to measure")
 flags.DEFINE_string("out", "bench/results/loop_overhead.json", "JSON result file")
+flags.DEFINE_string("dump_hlo", None, "write each variant's optimized HLO into this folder")
 flags.DEFINE_bool("command_buffers", True, "set XLA's command-buffer flags (device-side WHILE)")
 
 
@@ -80,6 +81,9 @@ def variant(name: str):
         x = jnp.tanh(x @ w)
       return i + 1, x
     return body, (jnp.ones((8, 64), jnp.float32),), w
+  if name == "swap":  # swapping two carried buffers makes XLA copy inside the loop
+    return (lambda c: (c[0] + 1, c[2], c[1])), (jnp.ones((1024,), jnp.float32),
+                                                 jnp.zeros((1024,), jnp.float32)), None
   if name == "switch":
     def body(c):
       i, x = c
@@ -99,6 +103,10 @@ def measure(name: str, levels: list[int], iters: int, repeats: int) -> list[dict
   run = jax.jit(lambda rest: lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(0), *rest)))
   compiled = run.lower(rest).compile()
   hlo = compiled.as_text()
+  if FLAGS.dump_hlo:
+    os.makedirs(FLAGS.dump_hlo, exist_ok=True)
+    with open(os.path.join(FLAGS.dump_hlo, f"{name}.txt"), "w") as f:
+      f.write(hlo)
   copies = sum(1 for l in hlo.splitlines() if re.search(r"= \S+ copy(-start)?\(", l))
   jax.block_until_ready(run(rest))  # warm
   from blink_jax import ffi as F

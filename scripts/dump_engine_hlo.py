@@ -1,0 +1,43 @@
+"""Writes the optimized HLO of the engine's persistent loop (random weights) to a file, and
+lists the copy instructions inside the loop body: each becomes a memcpy node of the CUDA graph.
+
+  python scripts/dump_engine_hlo.py --config gemma3-270m --out /tmp/loop_hlo.txt
+"""
+from __future__ import annotations
+
+import re
+
+from absl import app, flags
+
+from blink_jax import xla_flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("config", "gemma3-270m", "model config name, or 'tiny'")
+flags.DEFINE_string("out", "/tmp/loop_hlo.txt", "HLO text file")
+
+
+def main(argv):
+  del argv
+  xla_flags.configure_command_buffers()
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from blink_jax import Engine
+  from blink_jax.config import get_config, tiny_config
+  from blink_jax.model import Gemma
+  cfg = tiny_config("gemma3") if FLAGS.config == "tiny" else get_config(FLAGS.config)
+  model = Gemma(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  with Engine(model, None, max_seqs=64, max_context=1216, page_size=16, num_slots=128,
+              buckets=(1, 8, 64), max_top_logprobs=0) as eng:
+    text = eng.compiled.as_text()
+    print("loop report", eng.loop_report)
+  with open(FLAGS.out, "w") as f:
+    f.write(text)
+  copies = [l.strip()[:160] for l in text.splitlines() if re.search(r"= \S+ copy(-start)?\(", l)]
+  print(f"{len(copies)} copy instructions in the module")
+  for l in copies[:40]:
+    print("  ", l)
+
+
+if __name__ == "__main__":
+  app.run(main)
