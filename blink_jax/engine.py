@@ -233,7 +233,10 @@ class Engine:
 
   # ---- construction from a checkpoint ----
   @classmethod
-  def from_checkpoint(cls, name_or_path: str, *, dtype: str = "bfloat16", **kw) -> "Engine":
+  def from_checkpoint(cls, name_or_path: str, *, dtype: str = "bfloat16",
+                      tokenizer_path: str | None = None, **kw) -> "Engine":
+    """A checkpoint by catalog name or path, or `random:<config>` (random weights in a known
+    shape, for benchmarks; the tokenizer comes from `tokenizer_path` if given)."""
     configure_command_buffers()
     import jax.numpy as jnp
 
@@ -243,12 +246,22 @@ class Engine:
     dtypes = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
     if dtype not in dtypes:
       raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
+    if str(name_or_path).startswith("random:"):
+      from flax import nnx
+
+      from blink_jax.config import get_config
+      from blink_jax.tokenizer import Tokenizer
+      cfg = get_config(str(name_or_path).split(":", 1)[1])
+      log.info("random weights in the %s shape", cfg.name)
+      model = Gemma(cfg, dtype=dtypes[dtype], rngs=nnx.Rngs(0))
+      tok = Tokenizer(tokenizer_path) if tokenizer_path else None
+      return cls(model, tok, model_name=str(name_or_path), tokenizer_path=tokenizer_path, **kw)
     path = resolve_checkpoint(name_or_path)
     cfg, params = load_checkpoint(path, dtype=dtypes[dtype])
     model = Gemma.from_params(cfg, params, dtype=dtypes[dtype])
     tok = load_tokenizer(path)
     return cls(model, tok, model_name=str(name_or_path),
-               tokenizer_path=str(path / "tokenizer.model"), **kw)
+               tokenizer_path=tokenizer_path or str(path / "tokenizer.model"), **kw)
 
   # ---- lifecycle ----
   def _set_engine_state(self, s: P.EngineState) -> None:

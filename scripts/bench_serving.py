@@ -529,6 +529,8 @@ def main(argv):
         f"interference {FLAGS.interference} on cpus "
         f"{'all' if not frontend_cpus else interference_cpus}")
 
+  if frontend_cpus:  # the load generator stands for the network side: it runs with the frontend
+    os.sched_setaffinity(0, set(frontend_cpus))
   sampler = PowerSampler(FLAGS.power_interval_ms / 1e3)
   procs = C.start_interference(FLAGS.interference, set(interference_cpus), 24 * 3600) \
       if FLAGS.interference else []

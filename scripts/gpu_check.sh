@@ -77,4 +77,22 @@ if has executor; then
     | grep -v "^[IW]1" | tail -25 | tee -a "$OUT/log.txt"
   cp bench/results/executor_latency_h200.json "$OUT/" 2>/dev/null
 fi
+if has hf; then
+  log "HF transformers single-stream reference (Gemma 3 1B shape, random weights)"
+  timeout 300 python3 scripts/bench_hf_reference.py --config gemma3-1b --prompt 1024 \
+    --tokens 128 --repeats 3 --compile ${HF_COMPILE:-none} --out bench/results/hf_reference_h200.json 2>&1 \
+    | grep -v "^[IW]1" | tail -6 | tee -a "$OUT/log.txt"
+  cp bench/results/hf_reference_h200.json "$OUT/" 2>/dev/null
+fi
+if has serving; then
+  log "serving matrix"
+  TOKENIZER=${TOKENIZER:-.carry/tokenizer.model} OUT=$OUT timeout ${SERVING_TIMEOUT:-500} \
+    bash scripts/bench_serving_suite.sh 2>&1 | tee -a "$OUT/log.txt"
+fi
+if has step; then
+  log "model step costs and floors (Gemma 3 1B shape)"
+  timeout 400 python3 scripts/bench_step.py --config gemma3-1b --out bench/results/step_h200.json \
+    ${STEP_ARGS:-} 2>&1 | grep -v "^[IW]1" | tail -16 | tee -a "$OUT/log.txt"
+  cp bench/results/step_h200.json "$OUT/" 2>/dev/null
+fi
 log "done"

@@ -36,7 +36,9 @@ REPO = Path(__file__).resolve().parents[1]
 log = logging.getLogger("blink.serve")
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("ckpt", None, "Checkpoint name from checkpoints/catalog.json, or a path.")
+flags.DEFINE_string("ckpt", None, "Checkpoint name from checkpoints/catalog.json, a path, or "
+                    "random:<config> (random weights in that shape, for benchmarks).")
+flags.DEFINE_string("tokenizer", None, "SentencePiece model (default: the checkpoint's).")
 flags.DEFINE_string("dtype", "bfloat16", "Compute dtype of the weights.")
 flags.DEFINE_string("host", "127.0.0.1", "Address the HTTP server binds (0.0.0.0: all).")
 flags.DEFINE_integer("port", 8000, "HTTP port, shared by every worker.")
@@ -268,6 +270,8 @@ def make_engine(Engine):
   from nic_frontend.transports import shm
 
   kw = dict(dtype=FLAGS.dtype, mode=FLAGS.mode)
+  if FLAGS.tokenizer:
+    kw["tokenizer_path"] = FLAGS.tokenizer
   for name in ("max_seqs", "kv_pages", "max_context"):
     if getattr(FLAGS, name) is not None:
       kw[name] = getattr(FLAGS, name)
@@ -279,7 +283,9 @@ def make_engine(Engine):
     region, name = engine.region, engine.shm_name
   else:
     from blink_jax.checkpoint import load_config, resolve_checkpoint
-    cfg = load_config(resolve_checkpoint(FLAGS.ckpt))
+    from blink_jax.config import get_config
+    cfg = (get_config(FLAGS.ckpt.split(":", 1)[1]) if FLAGS.ckpt.startswith("random:")
+           else load_config(resolve_checkpoint(FLAGS.ckpt)))
     max_context = FLAGS.max_context or min(cfg.max_context, 4096)
     ring, top = 64, 8
     reserve = _accepts(Engine.__init__, "frontend_workers")
@@ -310,6 +316,8 @@ def main(argv) -> int:
                       format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   if not FLAGS.ckpt:
     raise app.UsageError("--ckpt is required")
+  if FLAGS.ckpt.startswith("random:") and not FLAGS.tokenizer:
+    raise app.UsageError("--ckpt random:<config> needs --tokenizer (a SentencePiece model)")
   from blink_jax.engine import Engine
 
   t0 = time.monotonic()

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The serving benchmark matrix on one GPU machine: for each model shape and server mode,
+# start scripts/serve.py (random weights), run scripts/bench_serving.py over a sweep of
+# request rates, quiet and under 2 x nproc thrashing processes with the frontend pinned to its
+# own cores (SmartNIC role), plus one unpinned run; then plot everything together.
+# Usage: TOKENIZER=path/tokenizer.model [SHAPES=...] [MODES=...] [RATES=4,inf]
+#        [NUM_PROMPTS=48] [UNPINNED=gemma3-1b:persistent] OUT=dir bash scripts/bench_serving_suite.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${TOKENIZER:?set TOKENIZER to a SentencePiece model}"
+SHAPES=${SHAPES:-gemma3-1b gemma3-270m}
+MODES=${MODES:-persistent host}
+RATES=${RATES:-4,inf}
+N=${NUM_PROMPTS:-48}
+UNPINNED=${UNPINNED:-gemma3-1b:persistent}
+OUT=${OUT:-/tmp/blink_serving}
+mkdir -p "$OUT"
+NCPU=$(nproc)
+FRONT=0,1                       # the frontend's cores (a SmartNIC's, out of the host's reach)
+ENGINE_CPUS=2-$((NCPU - 1))     # the engine shares these with the interference
+INT=$((2 * NCPU))
+bench() {  # label, port, interference, frontend cpus (empty: unpinned)
+  python3 scripts/bench_serving.py --base_url "http://127.0.0.1:$2/v1" --num_prompts "$N" \
+    --rates "$RATES" --max_context 2048 --max_input_len 1024 --interference "$3" \
+    --frontend_cpus "$4" --label "$1" --out "bench/results/serving_h200_$1.json" 2>&1 \
+    | grep -v "^[IW]1" | tail -6
+  cp bench/results/serving_h200_"$1".* "$OUT/" 2>/dev/null
+}
+for shape in $SHAPES; do
+  for mode in $MODES; do
+    port=$((8100 + RANDOM % 800))
+    echo "== $(date -u +%T) serve $shape $mode on :$port"
+    taskset -c "$ENGINE_CPUS" python3 scripts/serve.py --ckpt "random:$shape" \
+      --tokenizer "$TOKENIZER" --mode "$mode" --port "$port" --max_seqs 64 \
+      --max_context 2048 --num_slots 128 >"$OUT/serve_${shape}_${mode}.log" 2>&1 &
+    srv=$!
+    for _ in $(seq 300); do
+      curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+      kill -0 $srv 2>/dev/null || break
+      sleep 1
+    done
+    grep -E "loop on device|engine up" "$OUT/serve_${shape}_${mode}.log" | tail -2
+    for p in $(pgrep -f "nic_frontend.worker.*--port $port"); do taskset -pc $FRONT "$p" >/dev/null; done
+    bench "${shape}_${mode}_quiet" "$port" 0 "$FRONT"
+    bench "${shape}_${mode}_int${INT}" "$port" "$INT" "$FRONT"
+    if [[ " $UNPINNED " == *" $shape:$mode "* ]]; then
+      for p in $(pgrep -f "nic_frontend.worker.*--port $port"); do taskset -pc 0-$((NCPU - 1)) "$p" >/dev/null; done
+      RATES=inf bench "${shape}_${mode}_int${INT}_unpinned" "$port" "$INT" ""
+    fi
+    kill -TERM $srv; wait $srv
+  done
+done
+python3 scripts/bench_serving.py --compare bench/results/serving_h200_*.json \
+  --plot_out bench/results/serving_h200_compare.png 2>&1 | tail -3
+cp bench/results/serving_h200_* "$OUT/" 2>/dev/null
