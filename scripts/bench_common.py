@@ -105,6 +105,10 @@ def describe_device() -> str:
 
 
 def git_revision() -> str:
+  """BLINK_GIT_REVISION when set (the device copy of the tree may carry a stale .git), else
+  the checkout's HEAD."""
+  if os.environ.get("BLINK_GIT_REVISION"):
+    return os.environ["BLINK_GIT_REVISION"]
   try:
     rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout.strip()
@@ -112,7 +116,7 @@ def git_revision() -> str:
                            capture_output=True, text=True).stdout.strip()
     return rev + ("-dirty" if dirty else "")
   except Exception:
-    return os.environ.get("BLINK_GIT_REVISION", "unknown")
+    return "unknown"
 
 
 def _jax_version() -> str | None:
