@@ -24,7 +24,8 @@ bench() {  # label, port, interference, frontend cpus (empty: unpinned)
     --rates "$RATES" --max_context 2048 --max_input_len 1024 --interference "$3" \
     --frontend_cpus "$4" --label "$1" --out "bench/results/serving_h200_$1.json" 2>&1 \
     | grep -v "^[IW]1" | tail -6
-  cp bench/results/serving_h200_"$1".* "$OUT/" 2>/dev/null
+  # One archive (the device returns a limited number of files), refreshed after every run.
+  tar czf "$OUT/serving_results.tgz" bench/results/serving_h200_* 2>/dev/null
 }
 for shape in $SHAPES; do
   for mode in $MODES; do
@@ -52,4 +53,4 @@ for shape in $SHAPES; do
 done
 python3 scripts/bench_serving.py --compare bench/results/serving_h200_*.json \
   --plot_out bench/results/serving_h200_compare.png 2>&1 | tail -3
-cp bench/results/serving_h200_* "$OUT/" 2>/dev/null
+tar czf "$OUT/serving_results.tgz" bench/results/serving_h200_* 2>/dev/null

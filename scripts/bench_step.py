@@ -142,7 +142,7 @@ def main(argv):
     rows.append(measure_step(model, cfg, "prefill", 1, n, max(FLAGS.steps // 5, 3),
                              FLAGS.repeats, bw, flops))
   if FLAGS.scheduler and jax.devices()[0].platform == "gpu":
-    from scripts import diag_loop_overhead as D
+    from scripts import loop_probes as D
     for v in ("trivial", "ffi_sc"):
       for r in D.measure(v, [0], 20000, FLAGS.repeats):
         rows.append({"kind": "empty loop iteration" if v == "trivial" else

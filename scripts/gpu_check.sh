@@ -26,7 +26,7 @@ ls -la blink_jax/_lib | tee -a "$OUT/log.txt"
 
 if has tests; then
   log "gpu tests"
-  timeout 420 python3 -m pytest -m gpu ${GPU_TESTS:-tests/test_scheduler_backends.py tests/test_engine_gpu.py} \
+  timeout 420 python3 -m pytest -m gpu ${GPU_TESTS:-tests/test_scheduler_backends.py tests/test_engine_gpu.py tests/test_device_region.py} \
     -q -s -p no:cacheprovider 2>&1 | tail -40 | tee -a "$OUT/log.txt"
 fi
 if has diag; then

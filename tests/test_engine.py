@@ -211,3 +211,8 @@ def test_shutdown_leaves_no_thread_and_rejects_requests(model):
   assert eng.stats()["engine_state"] == "stopped"
   with pytest.raises(EngineStoppedError):
     eng.generate(prompt_token_ids=[1, 2, 3])
+
+
+def test_random_checkpoint_names_a_known_shape():
+  with pytest.raises(ValueError, match="unknown model config 'nope'"):
+    Engine.from_checkpoint("random:nope")

@@ -28,6 +28,29 @@ def test_single_request_matches_oracle():
   assert res.results[0].finish == P.Finish.LENGTH
 
 
+def test_each_token_is_stamped_with_the_device_clock():
+  """token_ns (the scheduler's clock when the newest entry was written) grows with every
+  token: benchmarks read per-token latency from it without the host's scheduling noise."""
+  import time
+
+  import numpy as np
+  region, cfg = _setup()
+  stamps = []
+
+  def hook(step, sched):
+    out = np.frombuffer(region.read(GEO.output_offset(0), P.OUTPUT_FIXED_BYTES),
+                        P.OUTPUT_DTYPE)[0]
+    stamps.append((int(out["count"]), int(out["token_ns"])))
+
+  t0 = time.monotonic_ns()
+  H.run([H.Job(0, [5, 6, 7], max_tokens=6, ignore_eos=True)], cfg, region, step_hook=hook)
+  written = [(c, ns) for c, ns in stamps if c > 0]
+  assert [c for c, _ in written] == list(range(1, 7))
+  ns = [t for _, t in written]
+  assert all(b > a for a, b in zip(ns, ns[1:])), ns
+  assert t0 <= ns[0] <= time.monotonic_ns()  # the CPU handlers use the steady clock
+
+
 def test_long_prompt_is_chunked_and_mixed_with_decode():
   region, cfg = _setup(buckets=(4, 8), max_seqs=4, num_pages=24)
   jobs = [H.Job(0, [3, 4], max_tokens=20, ignore_eos=True),
