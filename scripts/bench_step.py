@@ -61,7 +61,7 @@ def matmul_rate() -> float:
   return 10 * 2 * FLAGS.matmul_n ** 3 / t
 
 
-def step_loop(model, n_tokens: int, n_seqs: int, pos0: int, steps: int):
+def step_loop(model, n_tokens: int, n_seqs: int, steps: int):
   """A jitted loop of `steps` model steps over n_tokens rows of n_seqs sequences."""
   graphdef, params = nnx.split(model)
 
@@ -98,7 +98,7 @@ def measure_step(model, cfg, kind: str, n_seqs: int, length: int, steps: int, re
     positions = jnp.arange(length, dtype=jnp.int32)
     seq_ids = jnp.zeros((length,), jnp.int32)
   tokens = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, n_tokens), jnp.int32)
-  fn, params = step_loop(model, n_tokens, n_seqs, length - 1, steps)
+  fn, params = step_loop(model, n_tokens, n_seqs, steps)
   kv_state = {"kv": kv}
 
   def call():
