@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import signal
+import time
 import sys
 
 log = logging.getLogger("nic_frontend.worker")
@@ -80,6 +81,14 @@ async def serve(args: argparse.Namespace) -> int:
   log.info("frontend worker %d/%s listening on http://%s:%d (transport %s, model %s%s)",
            args.worker, args.num_workers or "header", args.host, port, args.transport,
            args.model_name, ", api key required" if api_key else "")
+  # Ready means reachable *and* attached: with SO_REUSEPORT a request may land on this worker
+  # as soon as it listens, so wait (bounded) until the driver has read the engine's header.
+  deadline = time.monotonic() + 30.0
+  while fe.driver.state is None and time.monotonic() < deadline:
+    await asyncio.sleep(0.01)
+  if fe.driver.state is None:
+    log.warning("worker %d: not attached to the engine yet: %s", args.worker,
+                fe.driver.state_text())
   if args.ready_file:
     _write_ready(args.ready_file, {"host": args.host, "port": port, "pid": os.getpid(),
                                    "worker": args.worker})
