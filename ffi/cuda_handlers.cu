@@ -26,23 +26,22 @@ template <class Fn>
 __device__ void with_hot_state(BlinkSched& S, int32_t* st, bool shared, int timer, Fn fn) {
   extern __shared__ __align__(16) int32_t hot_copy[];
   const uint64_t t0 = DeviceExec::now_ns();
-  if (!shared) {
-    fn(S);
+  const BlinkHotLayout h(S.c);
+  if (shared) {
+    S.use_hot_copy(hot_copy);
+    for (int64_t i = threadIdx.x; i < h.hot_words; i += blockDim.x) S.hot[i] = st[i];
+    for (int64_t i = threadIdx.x; i < h.lane_words; i += blockDim.x)
+      S.lanes[i] = st[S.lay.lanes + i];
     __syncthreads();
-    if (threadIdx.x == 0) S.counter(timer) += DeviceExec::now_ns() - t0;
-    return;
   }
-  S.use_hot_copy(hot_copy);
-  const int64_t hw = S.hot_words(), lw = S.lane_words();
-  for (int64_t i = threadIdx.x; i < hw; i += blockDim.x) S.hot[i] = st[i];  // counters at 0
-  for (int64_t i = threadIdx.x; i < lw; i += blockDim.x) S.lanes[i] = st[S.lay.lanes + i];
-  __syncthreads();
   fn(S);
   __syncthreads();
   if (threadIdx.x == 0) S.counter(timer) += DeviceExec::now_ns() - t0;
+  if (!shared) return;
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < hw; i += blockDim.x) st[i] = S.hot[i];
-  for (int64_t i = threadIdx.x; i < lw; i += blockDim.x) st[S.lay.lanes + i] = S.lanes[i];
+  for (int64_t i = threadIdx.x; i < h.hot_words; i += blockDim.x) st[i] = S.hot[i];
+  for (int64_t i = threadIdx.x; i < h.lane_words; i += blockDim.x)
+    st[S.lay.lanes + i] = S.lanes[i];
 }
 
 __global__ void __launch_bounds__(kThreads) schedule_kernel(BlinkSchedConfig c, int32_t* st,
@@ -50,7 +49,8 @@ __global__ void __launch_bounds__(kThreads) schedule_kernel(BlinkSchedConfig c, 
                                                             int32_t* batch, bool shared) {
   __shared__ int32_t scratch[kThreads / 32 + 1];
   BlinkSched S(c, reinterpret_cast<uint8_t*>(c.mailbox), st, hist, pt, batch);
-  with_hot_state(S, st, shared, C_SCHEDULE_NS, [&](BlinkSched& s) { s.schedule(DeviceExec{scratch}); });
+  with_hot_state(S, st, shared, C_SCHEDULE_NS,
+                 [&](BlinkSched& s) { s.schedule(DeviceExec{scratch}); });
 }
 
 __global__ void __launch_bounds__(kThreads) commit_kernel(BlinkSchedConfig c, int32_t* st,
@@ -69,8 +69,7 @@ __global__ void __launch_bounds__(kThreads) commit_kernel(BlinkSchedConfig c, in
 
 // Dynamic shared memory for the hot state, or 0 when it does not fit (state stays in L2).
 int64_t hot_bytes(const BlinkSchedConfig& c) {
-  BlinkSched probe(c, nullptr, nullptr, nullptr, nullptr, nullptr);
-  int64_t b = probe.hot_copy_words() * int64_t(sizeof(int32_t));
+  int64_t b = BlinkHotLayout(c).total * int64_t(sizeof(int32_t));
   return b <= kSharedLimit ? b : 0;
 }
 

@@ -13,6 +13,20 @@
 #define BLINK_FIELD(type, base, strct, field) \
   ((type*)((base) + __builtin_offsetof(strct, field)))
 
+// A compact copy of the hot state (what the CUDA kernels keep in shared memory), in int32
+// words: [counters + scalars | lane table | 4 per-lane scratch arrays].
+struct BlinkHotLayout {
+  int64_t hot_words, lanes, lane_words, lscratch, lscratch_len, total;
+  BLINK_HD explicit BlinkHotLayout(const BlinkSchedConfig& c) {
+    hot_words = BlinkStateLayout(c).scalars + S_NUM_SCALARS;  // counters start at word 0
+    lanes = (hot_words + 1) & ~int64_t(1);                     // 8-byte aligned
+    lane_words = int64_t(L_NUM_FIELDS) * c.max_seqs;
+    lscratch = lanes + lane_words;
+    lscratch_len = (c.max_seqs > BLINK_MAX_WORKERS ? c.max_seqs : BLINK_MAX_WORKERS) + 1;
+    total = lscratch + 4 * lscratch_len;
+  }
+};
+
 struct BlinkSched {
   const BlinkSchedConfig& c;
   uint8_t* mb;          // mailbox as this device addresses it
@@ -38,24 +52,14 @@ struct BlinkSched {
         lanes(state + lay.lanes), lscratch(state + lay.scratch_a),
         lscratch_stride(lay.scratch_b - lay.scratch_a) {}
 
-  // Sizes (int32 words) of the hot regions, for a caller that keeps a copy of them.
-  BLINK_HD int64_t hot_words() const { return lay.scalars + S_NUM_SCALARS; }
-  BLINK_HD int64_t lane_words() const { return int64_t(L_NUM_FIELDS) * c.max_seqs; }
-  BLINK_HD int64_t lscratch_words() const { return 4 * lane_scratch_len(); }
-  BLINK_HD int64_t lane_scratch_len() const {
-    return (c.max_seqs > BLINK_MAX_WORKERS ? c.max_seqs : BLINK_MAX_WORKERS) + 1;
-  }
-  // Points the hot regions at a copy laid out as [hot | lanes | lane scratch]; `copy` must be
-  // 8-byte aligned and filled from the state by the caller (scratch needs no filling).
+  // Points the hot regions at a copy laid out as BlinkHotLayout says; `copy` must be 8-byte
+  // aligned and filled from the state by the caller (scratch needs no filling).
   BLINK_HD void use_hot_copy(int32_t* copy) {
-    int64_t hw = (hot_words() + 1) & ~int64_t(1);  // keeps the lane table 8-byte aligned
+    BlinkHotLayout h(c);
     hot = copy;
-    lanes = copy + hw;
-    lscratch = lanes + lane_words();
-    lscratch_stride = lane_scratch_len();
-  }
-  BLINK_HD int64_t hot_copy_words() const {
-    return ((hot_words() + 1) & ~int64_t(1)) + lane_words() + lscratch_words();
+    lanes = copy + h.lanes;
+    lscratch = copy + h.lscratch;
+    lscratch_stride = h.lscratch_len;
   }
 
   // ---- state accessors ----
