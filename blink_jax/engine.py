@@ -50,6 +50,7 @@ class SamplingParams:
   stop: str | Sequence[str] | None = None
   stop_token_ids: Sequence[int] = ()
   logprobs: int | None = None  # top-n alternatives per token (0: only the sampled token's)
+  prompt_logprobs: int | None = None  # the same for every prompt token after the first
   ignore_eos: bool = False
 
   def stop_strings(self) -> list[str]:
@@ -77,8 +78,10 @@ class SamplingParams:
         raise ValueError(f"stop_token_ids: {t!r} is not a token id of this model")
     if any(not isinstance(s, str) or not s for s in self.stop_strings()):
       raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-    if self.logprobs is not None and not 0 <= self.logprobs <= max_top_logprobs:
-      raise ValueError(f"logprobs must be in [0, {max_top_logprobs}], got {self.logprobs!r}")
+    for name in ("logprobs", "prompt_logprobs"):
+      v = getattr(self, name)
+      if v is not None and not (isinstance(v, int) and 0 <= v <= max_top_logprobs):
+        raise ValueError(f"{name} must be an integer in [0, {max_top_logprobs}], got {v!r}")
 
 
 @dataclasses.dataclass
@@ -89,6 +92,9 @@ class RequestOutput:
   finish_reason: str  # "stop" | "length" | "cancelled" | "error: ..."
   logprobs: list[float] | None = None
   top_logprobs: list[list[tuple[int, float]]] | None = None
+  # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
+  prompt_logprobs: list[float | None] | None = None
+  prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
   ttft_s: float = 0.0
   e2e_s: float = 0.0
   preemptions: int = 0
@@ -109,6 +115,10 @@ class _Tracked:
     self.tokens: list[int] = []
     self.lps: list[float] = []
     self.top: list = []
+    # Prompt-logprob entries come first in the output (prompt tokens 1..).
+    self.prompt_entries_left = len(prompt) - 1 if params.prompt_logprobs is not None else 0
+    self.prompt_lps: list = [None]
+    self.prompt_top: list = [None]
     self.events: queue.Queue = queue.Queue()
     self.t_submit = time.perf_counter()
     self.t_first = 0.0
@@ -339,7 +349,9 @@ class Engine:
     req = M.Request(prompt=ids, max_tokens=params.max_tokens, temperature=params.temperature,
                     top_p=params.top_p, top_k=params.top_k, seed=seed,
                     stop_ids=tuple(params.stop_token_ids),
-                    num_logprobs=params.logprobs or 0, logprobs=params.logprobs is not None,
+                    num_logprobs=max(params.logprobs or 0, params.prompt_logprobs or 0),
+                    logprobs=params.logprobs is not None,
+                    prompt_logprobs=params.prompt_logprobs is not None,
                     ignore_eos=params.ignore_eos)
     with self._lock:
       while True:
@@ -390,6 +402,14 @@ class Engine:
 
   def _deliver(self, t: _Tracked, out: M.Output) -> None:
     now = time.perf_counter()
+    if t.prompt_entries_left:
+      n = min(t.prompt_entries_left, len(out.tokens))
+      k = t.params.prompt_logprobs
+      t.prompt_lps += out.logprobs[:n]
+      t.prompt_top += [top[:k] for top in out.top[:n]] if out.top else [[] for _ in range(n)]
+      t.prompt_entries_left -= n
+      out = dataclasses.replace(out, tokens=out.tokens[n:], logprobs=out.logprobs[n:],
+                                top=out.top[n:])
     if out.tokens and not t.t_first:
       t.t_first = now
     t.preemptions = out.preemptions
@@ -439,6 +459,8 @@ class Engine:
         prompt_token_ids=t.prompt, token_ids=list(t.tokens), text=t.text, finish_reason=reason,
         logprobs=list(t.lps) if t.params.logprobs is not None else None,
         top_logprobs=list(t.top) if t.params.logprobs is not None else None,
+        prompt_logprobs=t.prompt_lps if t.params.prompt_logprobs is not None else None,
+        prompt_top_logprobs=t.prompt_top if t.params.prompt_logprobs is not None else None,
         ttft_s=(t.t_first or t.t_done) - t.t_submit, e2e_s=t.t_done - t.t_submit,
         preemptions=t.preemptions)
 

@@ -28,7 +28,7 @@ from jax import lax
 from blink_jax import batch as B
 from blink_jax import ffi as F
 from blink_jax.model import Gemma, init_kv_cache
-from blink_jax.sampling import sample
+from blink_jax.sampling import sample, top_n
 
 log = logging.getLogger("blink_jax.executor")
 
@@ -62,12 +62,15 @@ def schedule_call(cfg: F.SchedConfig, state, history, page_table):
 
 
 def commit_call(cfg: F.SchedConfig, state, history, page_table, words, sampled, logprobs,
-                top_ids, top_lps):
+                top_ids, top_lps, row_lps, row_top_ids, row_top_lps):
+  """Per sample (max_seqs): token, logprob, top-n; per batch row (token_budget): the logprob
+  and top-n of the row's prompt-logprob target (ffi/scheduler.h, BlinkStepOutputs)."""
   out = (jax.ShapeDtypeStruct(state.shape, jnp.int32),
          jax.ShapeDtypeStruct(history.shape, jnp.int32))
   return jax.ffi.ffi_call("blink_commit", out, input_output_aliases={0: 0, 1: 1},
-                          has_side_effect=FFI_SIDE_EFFECT)(state, history, page_table, words, sampled,
-                                                logprobs, top_ids, top_lps, **cfg.attrs())
+                          has_side_effect=FFI_SIDE_EFFECT)(
+      state, history, page_table, words, sampled, logprobs, top_ids, top_lps, row_lps,
+      row_top_ids, row_top_lps, **cfg.attrs())
 
 
 class Executor:
@@ -84,10 +87,11 @@ class Executor:
     self.params = jax.device_put(params, self.device)
     # Zero outputs for empty steps and requests without logprobs, made once: a zero-fill
     # inside the loop would be a memset, which XLA cannot capture into a CUDA graph.
-    n, k = sched.max_seqs, max_top_logprobs
+    n, k, r = sched.max_seqs, max_top_logprobs, sched.token_budget
     self.zeros = jax.device_put((np.zeros((n,), np.int32), np.zeros((n,), np.float32),
-                                 np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)),
-                                self.device)
+                                 np.zeros((n, k), np.int32), np.zeros((n, k), np.float32),
+                                 np.zeros((r,), np.float32), np.zeros((r, k), np.int32),
+                                 np.zeros((r, k), np.float32)), self.device)
     self._step = jax.jit(self._step_fn, donate_argnums=(1,))
     self._loop = jax.jit(self._loop_fn, donate_argnums=(1,))
 
@@ -125,10 +129,29 @@ class Executor:
                                  (zeros[1][:samples], zeros[2][:samples], zeros[3][:samples]),
                                  max_top=max_top)
       pad = s.max_seqs - samples
+      rlp, rid, rtl = self._prompt_logprobs(model, hidden, b.targets, zeros[4:], rows)
+      rpad = s.token_budget - rows
       return (jnp.pad(tok, (0, pad)), jnp.pad(lp, (0, pad)), jnp.pad(tid, ((0, pad), (0, 0))),
-              jnp.pad(tlp, ((0, pad), (0, 0))), kv)
+              jnp.pad(tlp, ((0, pad), (0, 0))), jnp.pad(rlp, (0, rpad)),
+              jnp.pad(rid, ((0, rpad), (0, 0))), jnp.pad(rtl, ((0, rpad), (0, 0))), kv)
 
     return run
+
+  def _prompt_logprobs(self, model, hidden, targets, zeros, rows: int):
+    """Logprob (and top-n) of each row's target token under the model; only computed when
+    some row has a target (a request asked for prompt logprobs): logits of every row."""
+    max_top = self.max_top
+
+    def compute():
+      lp = jax.nn.log_softmax(model.logits(hidden), axis=-1)
+      chosen = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
+      if max_top == 0:
+        return chosen, zeros[1][:rows], zeros[2][:rows]
+      top_lp, top_id = top_n(lp, max_top)
+      return chosen, top_id, top_lp
+
+    return lax.cond(jnp.any(targets >= 0), compute,
+                    lambda: (zeros[0][:rows], zeros[1][:rows], zeros[2][:rows]))
 
   def _empty_branch(self, params, words, page_table, kv):
     return (*params[1], kv)
@@ -137,9 +160,8 @@ class Executor:
     s = self.sched
     state, history, page_table, words = schedule_call(s, c.state, c.history, c.page_table)
     branches = [self._empty_branch] + [self._bucket_branch(r) for r in s.buckets]
-    tok, lp, tid, tlp, kv = lax.switch(words[B.BUCKET] + 1, branches, params, words,
-                                       page_table, c.kv)
-    state, history = commit_call(s, state, history, page_table, words, tok, lp, tid, tlp)
+    *outs, kv = lax.switch(words[B.BUCKET] + 1, branches, params, words, page_table, c.kv)
+    state, history = commit_call(s, state, history, page_table, words, *outs)
     return Carry(state, history, page_table, kv, words[B.SHUTDOWN])
 
   def _loop_fn(self, params, c: Carry) -> Carry:

@@ -105,7 +105,7 @@ class _Lib:
                                            ctypes.POINTER(ctypes.c_uint64)]
     lib.blink_host_schedule.argtypes = [_i64p, _i32p, _i32p, _i32p, _i32p]
     lib.blink_host_commit.argtypes = [_i64p, _i32p, _i32p, _i32p, _i32p, _i32p, _f32p, _i32p,
-                                      _f32p, ctypes.c_int64]
+                                      _f32p, _f32p, _i32p, _f32p, ctypes.c_int64]
     lib.blink_state_check.restype = ctypes.c_char_p
     lib.blink_state_check.argtypes = [_i64p, _i32p, _i32p]
     lib.blink_state_summary.argtypes = [_i64p, _i32p, _i64p]
@@ -233,18 +233,28 @@ class HostScheduler:
                                   self.batch.ctypes.data_as(_i32p))
     return self.batch
 
-  def commit(self, sampled, logprobs, top_ids, top_lps) -> None:
+  def commit(self, sampled, logprobs, top_ids, top_lps, row_lps=None, row_top_ids=None,
+             row_top_lps=None) -> None:
+    """Per sample: token, logprob, top-n; per batch row (prompt logprobs; zeros if omitted):
+    the target's logprob and top-n."""
     sampled = np.ascontiguousarray(sampled, np.int32)
     logprobs = np.ascontiguousarray(logprobs, np.float32)
     top_ids = np.ascontiguousarray(top_ids, np.int32)
     top_lps = np.ascontiguousarray(top_lps, np.float32)
+    rows, k = self.cfg.token_budget, top_ids.shape[1] if top_ids.ndim == 2 else 0
+    row_lps = np.ascontiguousarray(np.zeros(rows) if row_lps is None else row_lps, np.float32)
+    row_top_ids = np.ascontiguousarray(
+        np.zeros((rows, k)) if row_top_ids is None else row_top_ids, np.int32)
+    row_top_lps = np.ascontiguousarray(
+        np.zeros((rows, k)) if row_top_lps is None else row_top_lps, np.float32)
     library().blink_host_commit(self._cfg_ptr, self.state.ctypes.data_as(_i32p),
                                 self.history.ctypes.data_as(_i32p),
                                 self.page_table.ctypes.data_as(_i32p),
                                 self.batch.ctypes.data_as(_i32p),
                                 sampled.ctypes.data_as(_i32p), logprobs.ctypes.data_as(_f32p),
                                 top_ids.ctypes.data_as(_i32p), top_lps.ctypes.data_as(_f32p),
-                                top_ids.shape[1] if top_ids.ndim == 2 else 0)
+                                row_lps.ctypes.data_as(_f32p), row_top_ids.ctypes.data_as(_i32p),
+                                row_top_lps.ctypes.data_as(_f32p), k)
 
   def check(self) -> str:
     return library().blink_state_check(self._cfg_ptr, self.state.ctypes.data_as(_i32p),

@@ -91,6 +91,7 @@ class Request:
   stop_ids: Sequence[int] = ()
   num_logprobs: int = 0
   logprobs: bool = False
+  prompt_logprobs: bool = False  # entries start with the prompt's tokens 1.. and logprobs
   ignore_eos: bool = False
   request_id: int = 0
 
@@ -209,6 +210,7 @@ class MailboxClient:
       req["temperature"], req["top_p"], req["top_k"] = r.temperature, r.top_p, r.top_k
       req["num_logprobs"] = r.num_logprobs
       req["flags"] = ((P.FLAG_LOGPROBS if r.logprobs else 0)
+                      | (P.FLAG_PROMPT_LOGPROBS if r.prompt_logprobs else 0)
                       | (P.FLAG_IGNORE_EOS if r.ignore_eos else 0))
       req["num_stop_ids"] = len(r.stop_ids)
       req["arrival_ns"] = time.monotonic_ns()

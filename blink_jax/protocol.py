@@ -21,6 +21,7 @@ OUTPUT_FIXED_BYTES = 64
 
 FLAG_IGNORE_EOS = 1
 FLAG_LOGPROBS = 2
+FLAG_PROMPT_LOGPROBS = 4  # first prompt_len - 1 entries: prompt tokens 1.. and their logprobs
 
 
 class EngineState(enum.IntEnum):

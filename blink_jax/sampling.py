@@ -49,7 +49,7 @@ def _filtered(logits, temperature, top_k, top_p):
   return jnp.where(keep, x, -jnp.inf)
 
 
-def _top_n(lp, n: int):
+def top_n(lp, n: int):
   """Top-n values and ids per row by n masked argmax passes (no sort, see _bisect)."""
   ids, vals = [], []
   cols = jnp.arange(lp.shape[-1])
@@ -89,7 +89,7 @@ def sample(logits, temperature, top_p, top_k, seed_lo, seed_hi, position, num_lo
     chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
     if max_top == 0:
       return chosen, zeros[1], zeros[2]
-    top_lp, top_id = _top_n(lp, max_top)
+    top_lp, top_id = top_n(lp, max_top)
     return chosen, top_id, top_lp
 
   def without():

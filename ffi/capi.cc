@@ -117,11 +117,12 @@ const char* blink_batch_layout() {
   char b[512];
   snprintf(b, sizeof b,
            "num_rows=%d;bucket=%d;bucket_size=%d;num_samples=%d;shutdown=%d;num_decode=%d;"
-           "header_words=%d;tokens=%d;positions=%d;seq_ids=%d;token_arrays=%d;rows=%d;lanes=%d;"
+           "header_words=%d;tokens=%d;positions=%d;seq_ids=%d;targets=%d;token_arrays=%d;rows=%d;"
+           "lanes=%d;"
            "temperature=%d;top_p=%d;top_k=%d;seed_lo=%d;seed_hi=%d;position=%d;num_logprobs=%d;"
            "sample_arrays=%d;",
            B_NUM_ROWS, B_BUCKET, B_BUCKET_SIZE, B_NUM_SAMPLES, B_SHUTDOWN, B_NUM_DECODE,
-           B_HEADER_WORDS, BT_TOKENS, BT_POSITIONS, BT_SEQ_IDS, BT_NUM, BS_ROWS, BS_LANES,
+           B_HEADER_WORDS, BT_TOKENS, BT_POSITIONS, BT_SEQ_IDS, BT_TARGETS, BT_NUM, BS_ROWS, BS_LANES,
            BS_TEMPERATURE, BS_TOP_P, BS_TOP_K, BS_SEED_LO, BS_SEED_HI, BS_POSITION,
            BS_NUM_LOGPROBS, BS_NUM);
   s = b;
@@ -152,10 +153,12 @@ void blink_host_schedule(const int64_t* cfg, int32_t* state, int32_t* history,
 
 void blink_host_commit(const int64_t* cfg, int32_t* state, int32_t* history, int32_t* page_table,
                        int32_t* batch, const int32_t* sampled, const float* logprobs,
-                       const int32_t* top_ids, const float* top_lps, int64_t top_cols) {
+                       const int32_t* top_ids, const float* top_lps, const float* row_lps,
+                       const int32_t* row_top_ids, const float* row_top_lps, int64_t top_cols) {
   const BlinkSchedConfig& c = as_config(cfg);
   BlinkSched(c, reinterpret_cast<uint8_t*>(c.mailbox), state, history, page_table, batch)
-      .commit(HostExec{}, sampled, logprobs, top_ids, top_lps, top_cols);
+      .commit(HostExec{}, BlinkStepOutputs{sampled, logprobs, top_ids, top_lps, row_lps,
+                                           row_top_ids, row_top_lps, top_cols});
 }
 
 // Invariants of a state between steps (test hook): every page is free or owned by exactly

@@ -35,18 +35,17 @@ ffi::Error CommitImpl(ffi::Buffer<ffi::S32> state, ffi::Buffer<ffi::S32> history
                       ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> batch,
                       ffi::Buffer<ffi::S32> sampled, ffi::Buffer<ffi::F32> logprobs,
                       ffi::Buffer<ffi::S32> top_ids, ffi::Buffer<ffi::F32> top_lps,
-                      ffi::ResultBuffer<ffi::S32> state_out,
+                      ffi::Buffer<ffi::F32> row_lps, ffi::Buffer<ffi::S32> row_top_ids,
+                      ffi::Buffer<ffi::F32> row_top_lps, ffi::ResultBuffer<ffi::S32> state_out,
                       ffi::ResultBuffer<ffi::S32> history_out, BlinkSchedConfig c) {
   if (auto e = blink::CheckState(c, state); e.failure()) return e;
   carry(state, state_out);
   carry(history, history_out);
-  auto dims = top_ids.dimensions();
-  int64_t cols = dims.size() == 2 ? dims[1] : 0;
   BlinkSched(c, reinterpret_cast<uint8_t*>(c.mailbox), state_out->typed_data(),
              history_out->typed_data(), const_cast<int32_t*>(page_table.typed_data()),
              const_cast<int32_t*>(batch.typed_data()))
-      .commit(HostExec{}, sampled.typed_data(), logprobs.typed_data(), top_ids.typed_data(),
-              top_lps.typed_data(), cols);
+      .commit(HostExec{}, blink::StepOutputs(sampled, logprobs, top_ids, top_lps, row_lps,
+                                             row_top_ids, row_top_lps));
   return ffi::Error::Success();
 }
 }  // namespace

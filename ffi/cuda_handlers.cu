@@ -55,15 +55,12 @@ __global__ void __launch_bounds__(kThreads) schedule_kernel(BlinkSchedConfig c, 
 
 __global__ void __launch_bounds__(kThreads) commit_kernel(BlinkSchedConfig c, int32_t* st,
                                                           int32_t* hist, int32_t* pt,
-                                                          int32_t* batch, const int32_t* sampled,
-                                                          const float* logprobs,
-                                                          const int32_t* top_ids,
-                                                          const float* top_lps, int64_t cols,
+                                                          int32_t* batch, BlinkStepOutputs step,
                                                           bool shared) {
   __shared__ int32_t scratch[kThreads / 32 + 1];
   BlinkSched S(c, reinterpret_cast<uint8_t*>(c.mailbox), st, hist, pt, batch);
   with_hot_state(S, st, shared, C_COMMIT_NS, [&](BlinkSched& s) {
-    s.commit(DeviceExec{scratch}, sampled, logprobs, top_ids, top_lps, cols);
+    s.commit(DeviceExec{scratch}, step);
   });
 }
 
@@ -124,19 +121,18 @@ ffi::Error CommitImpl(cudaStream_t s, ffi::Buffer<ffi::S32> state, ffi::Buffer<f
                       ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> batch,
                       ffi::Buffer<ffi::S32> sampled, ffi::Buffer<ffi::F32> logprobs,
                       ffi::Buffer<ffi::S32> top_ids, ffi::Buffer<ffi::F32> top_lps,
-                      ffi::ResultBuffer<ffi::S32> state_out,
+                      ffi::Buffer<ffi::F32> row_lps, ffi::Buffer<ffi::S32> row_top_ids,
+                      ffi::Buffer<ffi::F32> row_top_lps, ffi::ResultBuffer<ffi::S32> state_out,
                       ffi::ResultBuffer<ffi::S32> history_out, BlinkSchedConfig c) {
   if (auto e = blink::CheckState(c, state); e.failure()) return e;
   carry(s, state, state_out);
   carry(s, history, history_out);
-  auto dims = top_ids.dimensions();
-  int64_t cols = dims.size() == 2 ? dims[1] : 0;
   int64_t smem = hot_bytes(c);
   commit_kernel<<<1, kThreads, smem, s>>>(
       c, state_out->typed_data(), history_out->typed_data(),
       const_cast<int32_t*>(page_table.typed_data()), const_cast<int32_t*>(batch.typed_data()),
-      sampled.typed_data(), logprobs.typed_data(), top_ids.typed_data(), top_lps.typed_data(),
-      cols, smem > 0);
+      blink::StepOutputs(sampled, logprobs, top_ids, top_lps, row_lps, row_top_ids, row_top_lps),
+      smem > 0);
   return last_error();
 }
 }  // namespace

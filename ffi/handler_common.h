@@ -3,7 +3,7 @@
 // argument/result bindings of blink_schedule and blink_commit, and the state check.
 #pragma once
 #include <utility>
-#include "sched_state.h"
+#include "scheduler.h"
 #include "xla/ffi/api/ffi.h"
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
@@ -40,8 +40,9 @@ auto ScheduleBinding(B b) {
       .template Attrs<BlinkSchedConfig>();
 }
 
-// blink_commit(state, history, page_table, batch, sampled, logprobs, top_ids, top_logprobs)
-//   -> (state, history)
+// blink_commit(state, history, page_table, batch, sampled, logprobs, top_ids, top_logprobs,
+//              row_logprobs, row_top_ids, row_top_logprobs) -> (state, history)
+// (per sample: max_seqs rows; per batch row: token_budget rows; see BlinkStepOutputs)
 template <class B>
 auto CommitBinding(B b) {
   using ::xla::ffi::Buffer;
@@ -55,9 +56,29 @@ auto CommitBinding(B b) {
       .template Arg<Buffer<F32>>()
       .template Arg<Buffer<S32>>()
       .template Arg<Buffer<F32>>()
+      .template Arg<Buffer<F32>>()
+      .template Arg<Buffer<S32>>()
+      .template Arg<Buffer<F32>>()
       .template Ret<Buffer<S32>>()
       .template Ret<Buffer<S32>>()
       .template Attrs<BlinkSchedConfig>();
+}
+
+// The commit's step outputs from its argument buffers.
+template <class I, class F>
+BlinkStepOutputs StepOutputs(const I& sampled, const F& logprobs, const I& top_ids,
+                             const F& top_lps, const F& row_lps, const I& row_top_ids,
+                             const F& row_top_lps) {
+  auto dims = top_ids.dimensions();
+  return BlinkStepOutputs{
+      static_cast<const int32_t*>(sampled.untyped_data()),
+      static_cast<const float*>(logprobs.untyped_data()),
+      static_cast<const int32_t*>(top_ids.untyped_data()),
+      static_cast<const float*>(top_lps.untyped_data()),
+      static_cast<const float*>(row_lps.untyped_data()),
+      static_cast<const int32_t*>(row_top_ids.untyped_data()),
+      static_cast<const float*>(row_top_lps.untyped_data()),
+      dims.size() == 2 ? dims[1] : 0};
 }
 
 inline ::xla::ffi::Error CheckState(const BlinkSchedConfig& c,

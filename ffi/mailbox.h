@@ -50,7 +50,11 @@
 // Request flags.
 #define BLINK_FLAG_IGNORE_EOS 1u
 #define BLINK_FLAG_LOGPROBS 2u
-#define BLINK_FLAGS_KNOWN (BLINK_FLAG_IGNORE_EOS | BLINK_FLAG_LOGPROBS)
+// Prompt logprobs: the output's first prompt_len - 1 entries are the prompt tokens 1.. with
+// their logprobs (and top-n, num_logprobs of them) given the tokens before them; generated
+// tokens follow. Needs ring_capacity >= 2 (prompt chunks are cut to what the ring holds).
+#define BLINK_FLAG_PROMPT_LOGPROBS 4u
+#define BLINK_FLAGS_KNOWN (BLINK_FLAG_IGNORE_EOS | BLINK_FLAG_LOGPROBS | BLINK_FLAG_PROMPT_LOGPROBS)
 
 // Engine states (header.engine_state).
 enum BlinkEngineState : uint32_t {

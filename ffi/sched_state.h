@@ -128,6 +128,7 @@ enum BlinkLaneField {
   L_PREEMPTS,
   L_BAD,           // prompt copy found an invalid token id
   L_TMP,
+  L_PLP_DONE,      // prompt-logprob entries written (= prompt positions 1..L_PLP_DONE)
   L_NUM_FIELDS
 };
 
@@ -143,10 +144,11 @@ enum BlinkBatchHeader {
   B_NUM_DECODE,
   B_HEADER_WORDS = 16
 };
-// Then token arrays of token_budget words: tokens, positions, seq_ids; then sample arrays of
+// Then token arrays of token_budget words: tokens, positions, seq_ids, targets (the next prompt
+// token, whose logprob this row reports, or -1); then sample arrays of
 // max_seqs words: rows, lanes, temperature (bits), top_p (bits), top_k, seed_lo, seed_hi,
 // position of the token being sampled, num_logprobs (-1 = no logprobs).
-enum BlinkBatchTokenArray { BT_TOKENS = 0, BT_POSITIONS, BT_SEQ_IDS, BT_NUM };
+enum BlinkBatchTokenArray { BT_TOKENS = 0, BT_POSITIONS, BT_SEQ_IDS, BT_TARGETS, BT_NUM };
 enum BlinkBatchSampleArray {
   BS_ROWS = 0, BS_LANES, BS_TEMPERATURE, BS_TOP_P, BS_TOP_K, BS_SEED_LO, BS_SEED_HI,
   BS_POSITION, BS_NUM_LOGPROBS, BS_NUM

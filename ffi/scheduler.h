@@ -13,6 +13,20 @@
 #define BLINK_FIELD(type, base, strct, field) \
   ((type*)((base) + __builtin_offsetof(strct, field)))
 
+// What the model step produced, read by commit: per sample (max_seqs) the token, its logprob
+// and top-n; per batch row (token_budget) the logprob of the row's target token (prompt
+// logprobs) and its top-n. top_cols = n columns of both top arrays.
+struct BlinkStepOutputs {
+  const int32_t* sampled;
+  const float* logprobs;
+  const int32_t* top_ids;
+  const float* top_lps;
+  const float* row_lps;
+  const int32_t* row_top_ids;
+  const float* row_top_lps;
+  int64_t top_cols;
+};
+
 // A compact copy of the hot state (what the CUDA kernels keep in shared memory), in int32
 // words: [counters + scalars | lane table | 4 per-lane scratch arrays].
 struct BlinkHotLayout {
@@ -88,9 +102,27 @@ struct BlinkSched {
 #define OUT_OFF(field) __builtin_offsetof(BlinkSlotOutput, field)
 
   BLINK_HD int64_t pages_for(int64_t tokens) const { return (tokens + c.page_size - 1) / c.page_size; }
-  BLINK_HD bool ring_has_room(int64_t l) const {
-    return uint32_t(lane(L_OUT_COUNT, l)) - uint32_t(lane(L_CONSUMED, l)) <
-           uint32_t(c.ring_capacity);
+  BLINK_HD bool ring_has_room(int64_t l) const { return ring_free(l) > 0; }
+  BLINK_HD int64_t ring_free(int64_t l) const {
+    return int64_t(c.ring_capacity) -
+           int64_t(uint32_t(lane(L_OUT_COUNT, l)) - uint32_t(lane(L_CONSUMED, l)));
+  }
+  BLINK_HD bool wants_prompt_logprobs(int64_t l) const {
+    return (lane(L_FLAGS, l) & BLINK_FLAG_PROMPT_LOGPROBS) != 0;
+  }
+  // The token whose logprob the row at `pos` of lane l reports, or -1: the next prompt token,
+  // once (a recompute after preemption does not report a position again).
+  BLINK_HD int32_t target_of(int64_t l, int64_t pos) const {
+    if (!wants_prompt_logprobs(l) || pos < lane(L_PLP_DONE, l) || pos + 1 >= lane(L_PROMPT_LEN, l))
+      return -1;
+    return history[l * c.max_context + pos + 1];
+  }
+  // A prompt chunk of a lane that reports prompt logprobs writes one entry per row (plus the
+  // sampled token after the last chunk): cut it to what its ring holds.
+  BLINK_HD int64_t fit_ring(int64_t l, int64_t n) const {
+    if (!wants_prompt_logprobs(l)) return n;
+    int64_t room = ring_free(l) - 1;
+    return n < room ? n : room;
   }
 
   // ---- serial helpers ----
@@ -162,7 +194,9 @@ struct BlinkSched {
     }
     if (blink_load<uint32_t>(r + REQ_OFF(num_logprobs)) > uint32_t(c.max_top_logprobs))
       return BLINK_ERR_LOGPROBS;
-    if (blink_load<uint32_t>(r + REQ_OFF(flags)) & ~BLINK_FLAGS_KNOWN) return BLINK_ERR_FLAGS;
+    uint32_t flags = blink_load<uint32_t>(r + REQ_OFF(flags));
+    if (flags & ~BLINK_FLAGS_KNOWN) return BLINK_ERR_FLAGS;
+    if ((flags & BLINK_FLAG_PROMPT_LOGPROBS) && c.ring_capacity < 2) return BLINK_ERR_FLAGS;
     return BLINK_ERR_NONE;
   }
 
@@ -203,6 +237,7 @@ struct BlinkSched {
     lane(L_ERROR, l) = BLINK_ERR_NONE;
     lane(L_PREEMPTS, l) = 0;
     lane(L_BAD, l) = 0;
+    lane(L_PLP_DONE, l) = 0;
     region(lay.order)[s(S_ORDER_COUNT)++] = l;
     region(lay.new_lanes)[s(S_NUM_ADMITTED)++] = l;
     blink_store<uint32_t>(out(slot) + OUT_OFF(prompt_len), uint32_t(plen));
@@ -329,7 +364,8 @@ struct BlinkSched {
       lane(L_TMP, l) = 0;
       if (lane(L_STATE, l) == LANE_FREE) return;
       int64_t sl = lane(L_SLOT, l);
-      if (!ring_has_room(l)) lane(L_CONSUMED, l) = int32_t(req_u32(sl, REQ_OFF(consumed)));
+      if (!ring_has_room(l) || (wants_prompt_logprobs(l) && needs_prefill(l)))
+        lane(L_CONSUMED, l) = int32_t(req_u32(sl, REQ_OFF(consumed)));
       if (rang && req_u32(sl, REQ_OFF(cancel)) == uint32_t(lane(L_SEQ, l)) &&
           lane(L_FINISH, l) == BLINK_FINISH_NONE) {
         lane(L_FINISH, l) = BLINK_FINISH_CANCELLED;
@@ -404,7 +440,8 @@ struct BlinkSched {
       int64_t left = c.token_budget - s(S_NUM_ROWS);
       if (left <= 0) break;
       int64_t computed = lane(L_COMPUTED, l), todo = lane(L_LEN, l) - computed;
-      int64_t n = todo < left ? todo : left;
+      int64_t n = fit_ring(l, todo < left ? todo : left);
+      if (n <= 0) continue;
       while (pages_for(computed + n) - lane(L_PAGES, l) > s(S_FREE_COUNT) &&
              preempt_younger_than(lane(L_TICKET, l))) {
       }
@@ -440,6 +477,8 @@ struct BlinkSched {
       if (s(S_FREE_LANES) == 0) break;
       int64_t plen = req_u32(slot, REQ_OFF(prompt_len));
       int64_t n = plen < left ? plen : left;
+      if ((req_u32(slot, REQ_OFF(flags)) & BLINK_FLAG_PROMPT_LOGPROBS) && n > c.ring_capacity - 1)
+        n = c.ring_capacity - 1;  // each prompt row writes an entry (see fit_ring)
       if (pages_for(n) > s(S_FREE_COUNT)) break;
       s(S_Q_HEAD)++;
       admit(slot, seq, n);
@@ -496,11 +535,12 @@ struct BlinkSched {
   template <class X>
   BLINK_HD void fill_batch(const X& x) const {
     int32_t *tok = tok_array(BT_TOKENS), *pos = tok_array(BT_POSITIONS),
-            *sid = tok_array(BT_SEQ_IDS);
+            *sid = tok_array(BT_SEQ_IDS), *tgt = tok_array(BT_TARGETS);
     x.parallel(batch[B_BUCKET_SIZE], [&](int64_t r) {
       tok[r] = 0;
       pos[r] = 0;
       sid[r] = -1;
+      tgt[r] = -1;
     });
     x.parallel(c.max_seqs, [&](int64_t i) { sample_array(BS_LANES)[i] = -1; });
     x.parallel(c.max_seqs, [&](int64_t l) {
@@ -511,6 +551,7 @@ struct BlinkSched {
         tok[r0] = history[l * c.max_context + c0];
         pos[r0] = c0;
         sid[r0] = int32_t(l);
+        tgt[r0] = target_of(l, c0);
       }
       int32_t si = lane(L_SAMPLES, l) - 1;
       if (si < 0) return;
@@ -535,6 +576,7 @@ struct BlinkSched {
         tok[r0 + i] = h[c0 + i];
         pos[r0 + i] = c0 + int32_t(i);
         sid[r0 + i] = l;
+        tgt[r0 + i] = target_of(l, c0 + i);
       });
     }
   }
@@ -654,10 +696,57 @@ struct BlinkSched {
   }
 
   // ======================= commit =======================
+  // Writes output entry e of lane l: the token and, with `logprobs`, its logprob and top-n
+  // (k = the lane's num_logprobs).
+  BLINK_HD void write_entry(int64_t l, uint32_t e, int32_t token, bool logprobs, float lp,
+                            const int32_t* ids, const float* lps, int64_t cols) const {
+    int64_t slot = lane(L_SLOT, l);
+    uint32_t ri = e % uint32_t(c.ring_capacity);
+    blink_store<int32_t>(mb + geo.out_tokens_offset(slot) + 4 * ri, token);
+    if (!logprobs) return;
+    blink_store<uint32_t>(mb + geo.out_logprobs_offset(slot) + 4 * ri, blink_float_to_bits(lp));
+    int32_t k = lane(L_NUM_LOGPROBS, l);
+    for (int32_t j = 0; j < k && j < cols; ++j) {
+      uint64_t idx = (uint64_t(ri) * c.max_top_logprobs + j) * 4;
+      blink_store<int32_t>(mb + geo.out_top_ids_offset(slot) + idx, ids[j]);
+      blink_store<uint32_t>(mb + geo.out_top_logprobs_offset(slot) + idx,
+                            blink_float_to_bits(lps[j]));
+    }
+  }
+
+  // Prompt logprobs: one entry per row with a target (its position = its entry index, since
+  // entries of such a lane start with prompt position 1), then each lane's count moves on.
+  template <class X>
+  BLINK_HD void commit_prompt_logprobs(const X& x, const BlinkStepOutputs& step) const {
+    const int32_t *tgt = tok_array(BT_TARGETS), *sid = tok_array(BT_SEQ_IDS),
+                  *pos = tok_array(BT_POSITIONS);
+    x.parallel(batch[B_NUM_ROWS], [&](int64_t r) {
+      if (tgt[r] < 0) return;
+      write_entry(sid[r], uint32_t(pos[r]), tgt[r], true, step.row_lps[r],
+                  step.row_top_ids + r * step.top_cols, step.row_top_lps + r * step.top_cols,
+                  step.top_cols);
+    });
+    x.parallel(c.max_seqs, [&](int64_t l) {
+      if (lane(L_SCHED_N, l) == 0 || !wants_prompt_logprobs(l)) return;
+      int64_t last = lane(L_COMPUTED, l) + lane(L_SCHED_N, l) - 1;  // last row's position
+      if (last > lane(L_PROMPT_LEN, l) - 2) last = lane(L_PROMPT_LEN, l) - 2;
+      if (last < lane(L_PLP_DONE, l)) return;
+      lane(L_PLP_DONE, l) = int32_t(last + 1);
+      lane(L_OUT_COUNT, l) = int32_t(last + 1);  // no generated entry precedes these
+      uint8_t* o = out(lane(L_SLOT, l));
+      blink_store<uint64_t>(o + OUT_OFF(token_ns), X_now_ns());
+      blink_store_release<uint32_t>(o + OUT_OFF(count), uint32_t(last + 1));
+    });
+  }
+
   // Appends the sampled tokens, checks stop conditions, frees finished requests.
   template <class X>
-  BLINK_HD void commit(const X& x, const int32_t* sampled, const float* logprobs,
-                       const int32_t* top_ids, const float* top_lps, int64_t top_k_cols) const {
+  BLINK_HD void commit(const X& x, const BlinkStepOutputs& step) const {
+    const int32_t* sampled = step.sampled;
+    const float *logprobs = step.logprobs, *top_lps = step.top_lps;
+    const int32_t* top_ids = step.top_ids;
+    const int64_t top_k_cols = step.top_cols;
+    commit_prompt_logprobs(x, step);
     const int32_t nsamples = batch[B_NUM_SAMPLES];
     x.parallel(nsamples, [&](int64_t i) {
       int32_t l = sample_array(BS_LANES)[i];
@@ -667,18 +756,9 @@ struct BlinkSched {
       int32_t len = lane(L_LEN, l);
       history[int64_t(l) * c.max_context + len] = t;
       uint8_t* o = out(lane(L_SLOT, l));
-      uint32_t e = uint32_t(lane(L_OUT_COUNT, l)), ri = e % uint32_t(c.ring_capacity);
-      int64_t slot = lane(L_SLOT, l);
-      blink_store<int32_t>(mb + geo.out_tokens_offset(slot) + 4 * ri, t);
-      if (lane(L_FLAGS, l) & BLINK_FLAG_LOGPROBS) {
-        blink_store<uint32_t>(mb + geo.out_logprobs_offset(slot) + 4 * ri, blink_float_to_bits(logprobs[i]));
-        int32_t k = lane(L_NUM_LOGPROBS, l);
-        for (int32_t j = 0; j < k && j < top_k_cols; ++j) {
-          uint64_t idx = (uint64_t(ri) * c.max_top_logprobs + j) * 4;
-          blink_store<int32_t>(mb + geo.out_top_ids_offset(slot) + idx, top_ids[i * top_k_cols + j]);
-          blink_store<uint32_t>(mb + geo.out_top_logprobs_offset(slot) + idx, blink_float_to_bits(top_lps[i * top_k_cols + j]));
-        }
-      }
+      uint32_t e = uint32_t(lane(L_OUT_COUNT, l));
+      write_entry(l, e, t, (lane(L_FLAGS, l) & BLINK_FLAG_LOGPROBS) != 0, logprobs[i],
+                  top_ids + i * top_k_cols, top_lps + i * top_k_cols, top_k_cols);
       lane(L_OUT_COUNT, l) = int32_t(e + 1);
       blink_store<uint64_t>(o + OUT_OFF(token_ns), X_now_ns());
       blink_store_release<uint32_t>(o + OUT_OFF(count), e + 1);

@@ -49,8 +49,11 @@ def _loop(cfg: F.SchedConfig):
     # The logprob inputs are the sampled positions reinterpreted (a zero-fill would be a
     # memset, which XLA cannot capture in a CUDA graph); no request asks for logprobs.
     lp = lax.bitcast_convert_type(pos, jnp.float32)
+    rows = words[B.HEADER_WORDS:B.HEADER_WORDS + cfg.token_budget]  # no prompt logprobs asked
+    rlp = lax.bitcast_convert_type(rows, jnp.float32)
     state, hist = commit_call(cfg, state, hist, pt, words, tok.astype(jnp.int32), lp,
-                              pos[:, None][:, :0], lp[:, None][:, :0])
+                              pos[:, None][:, :0], lp[:, None][:, :0], rlp, rows[:, None][:, :0],
+                              rlp[:, None][:, :0])
     return state, hist, pt, words[B.SHUTDOWN]
 
   return jax.jit(lambda s, h, p: lax.while_loop(lambda c: c[3] == 0, body,

@@ -42,8 +42,9 @@ def _sched_loop(calls: str, top: int = 0):
       else:
         lp = lax.bitcast_convert_type(words[:64], jnp.float32)
         tid = jnp.broadcast_to(words[:64, None], (64, top))
-        state, hist = commit_call(cfg, state, hist, pt, words, words[:64], lp, tid,
-                                  lax.bitcast_convert_type(tid, jnp.float32))
+        tlp = lax.bitcast_convert_type(tid, jnp.float32)
+        state, hist = commit_call(cfg, state, hist, pt, words, words[:64], lp, tid, tlp,
+                                  lp, tid, tlp)  # token_budget == max_seqs == 64 here
     return i + 1, state, hist, pt, words
 
   args = (jnp.asarray(F.initial_state(cfg)), jnp.zeros((64, 4096), jnp.int32),

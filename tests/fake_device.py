@@ -231,9 +231,7 @@ class FakeDevice:
         words = self.sched.schedule()
         if int(words[B.SHUTDOWN]):
           break
-        sampled, lps, tids, tlps = self.model.step(np.asarray(words),
-                                                   np.asarray(self.sched.page_table))
-        self.sched.commit(sampled, lps, tids, tlps)
+        self.sched.commit(*self.model.step(np.asarray(words), np.asarray(self.sched.page_table)))
         if int(words[B.NUM_ROWS]):
           self.steps += 1
           if self.step_delay_s:

@@ -30,6 +30,11 @@ def seq_hash(tokens, vocab: int) -> int:
   return (h ^ (h >> 17)) % vocab
 
 
+def prompt_lp(tokens) -> float:
+  """The fake model's logprob of tokens[-1] after tokens[:-1] (prompt logprobs)."""
+  return -0.01 - seq_hash(tokens, 1000) / 100
+
+
 @dataclasses.dataclass
 class Job:
   submit_step: int
@@ -38,6 +43,7 @@ class Job:
   stop_ids: tuple[int, ...] = ()
   ignore_eos: bool = False
   logprobs: int = -1                 # -1: none; else top-n
+  prompt_logprobs: bool = False      # entries start with prompt tokens 1.. and their logprobs
   cancel_after: int | None = None    # steps after submission
   bad: dict | None = None            # raw request overrides that make it invalid
   expect_error: P.Error = P.Error.NONE
@@ -87,6 +93,17 @@ class FakePagedModel:
     lps = np.zeros(cfg.max_seqs, np.float32)
     top_ids = np.zeros((cfg.max_seqs, TOP), np.int32)
     top_lps = np.zeros((cfg.max_seqs, TOP), np.float32)
+    row_lps = np.zeros(cfg.token_budget, np.float32)
+    row_ids = np.zeros((cfg.token_budget, TOP), np.int32)
+    row_top = np.zeros((cfg.token_budget, TOP), np.float32)
+    for r, (pos, sid, tgt) in enumerate(zip(b.positions, b.seq_ids, b.targets)):
+      if tgt < 0:
+        continue
+      assert sid >= 0, "a padding row has a prompt-logprob target"
+      seq = [self.kv[page_table[sid, p // ps], p % ps] for p in range(pos + 1)]
+      row_lps[r] = prompt_lp(seq + [int(tgt)])
+      row_ids[r] = [(int(tgt) + j) % cfg.vocab_size for j in range(TOP)]
+      row_top[r] = [row_lps[r] - j for j in range(TOP)]
     for i in range(ns):
       lane, row = int(b.lanes[i]), int(b.rows[i])
       if lane < 0:
@@ -100,7 +117,7 @@ class FakePagedModel:
       lps[i] = -0.5 - (t % 7)
       top_ids[i] = [(t + j) % cfg.vocab_size for j in range(TOP)]
       top_lps[i] = [lps[i] - j for j in range(TOP)]
-    return sampled, lps, top_ids, top_lps
+    return sampled, lps, top_ids, top_lps, row_lps, row_ids, row_top
 
 
 @dataclasses.dataclass
@@ -150,6 +167,7 @@ def run(jobs: list[Job], cfg: SchedConfig, region: M.LocalRegion, *,
       j = jobs[i]
       req = M.Request(prompt=j.prompt, max_tokens=j.max_tokens, stop_ids=j.stop_ids,
                       ignore_eos=j.ignore_eos, logprobs=j.logprobs >= 0,
+                      prompt_logprobs=j.prompt_logprobs,
                       num_logprobs=max(j.logprobs, 0), request_id=i)
       slot = client.submit(req, overrides=j.bad)
       results[i].submitted_at, results[i].slot = step, slot
@@ -178,8 +196,7 @@ def run(jobs: list[Job], cfg: SchedConfig, region: M.LocalRegion, *,
     # Device: schedule, model, commit.
     words = np.array(sched.schedule())
     trace.append(words[:B.HEADER_WORDS].copy())
-    sampled, lps, tids, tlps = model.step(words, np.asarray(sched.page_table))
-    sched.commit(sampled, lps, tids, tlps)
+    sched.commit(*model.step(words, np.asarray(sched.page_table)))
     if check_every_step and isinstance(sched, HostScheduler):
       msg = sched.check()
       assert not msg, f"step {step}: state invariant broken: {msg}"
@@ -192,12 +209,29 @@ def run(jobs: list[Job], cfg: SchedConfig, region: M.LocalRegion, *,
   return RunResult(results, step, summary, M.read_header(region), trace)
 
 
+def split_prompt_entries(i: int, j: Job, r: JobResult, cfg: SchedConfig) -> JobResult:
+  """Checks the prompt-logprob entries (prompt tokens 1.., each once, with the fake model's
+  logprob and top-n) and returns the result with only the generated entries."""
+  n = min(len(j.prompt) - 1, len(r.tokens))
+  if r.finish != P.Finish.CANCELLED:
+    assert n == len(j.prompt) - 1, f"job {i}: {n} prompt entries"
+  assert r.tokens[:n] == list(j.prompt[1:n + 1]), f"job {i}: prompt entries {r.tokens[:n]}"
+  want = [prompt_lp(j.prompt[:p + 1]) for p in range(1, n + 1)]
+  assert np.allclose(r.logprobs[:n], want, atol=1e-6), f"job {i}: prompt logprobs"
+  k = max(j.logprobs, 0)
+  for t, top in zip(r.tokens[:n], r.top[:n]):
+    assert [a for a, _ in top[:k]] == [(t + q) % cfg.vocab_size for q in range(k)]
+  return dataclasses.replace(r, tokens=r.tokens[n:], logprobs=r.logprobs[n:], top=r.top[n:])
+
+
 def check_run(jobs: list[Job], res: RunResult, cfg: SchedConfig) -> None:
   """Every property the issue names, for one finished run."""
   eos = [e for e in (cfg.eos0, cfg.eos1, cfg.eos2, cfg.eos3) if e >= 0]
   n_err = n_canc = n_tokens = 0
   for i, (j, r) in enumerate(zip(jobs, res.results)):
     assert r.finishes_seen == 1, f"job {i} finished {r.finishes_seen} times"
+    if j.prompt_logprobs and j.expect_error == P.Error.NONE:
+      r = split_prompt_entries(i, j, r, cfg)
     n_tokens += len(r.tokens)
     if j.expect_error != P.Error.NONE:
       assert (r.finish, r.error) == (P.Finish.ERROR, j.expect_error), (i, r.finish, r.error)

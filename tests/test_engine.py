@@ -216,3 +216,25 @@ def test_shutdown_leaves_no_thread_and_rejects_requests(model):
 def test_random_checkpoint_names_a_known_shape():
   with pytest.raises(ValueError, match="unknown model config 'nope'"):
     Engine.from_checkpoint("random:nope")
+
+
+def test_prompt_logprobs_match_the_model(engine, dense):
+  # A prompt longer than the largest bucket and than the ring (chunks are cut to what the ring
+  # holds), batched with a short one.
+  rng = np.random.default_rng(5)
+  prompts = [[int(t) for t in rng.integers(3, 300, 70)], [9, 8, 7]]
+  sp = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=2, logprobs=1)
+  for p, out in zip(prompts, engine.generate(prompt_token_ids=prompts, sampling=sp)):
+    lp = np.asarray(jax.nn.log_softmax(dense.logits(p + out.token_ids), axis=-1))
+    assert out.prompt_logprobs[0] is None and out.prompt_top_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(p)
+    for i in range(1, len(p)):
+      assert out.prompt_logprobs[i] == pytest.approx(lp[i - 1][p[i]], abs=1e-4), i
+      assert [a for a, _ in out.prompt_top_logprobs[i]] == list(np.argsort(-lp[i - 1])[:2])
+    for i, tok in enumerate(out.token_ids):  # generated tokens follow, with their logprobs
+      assert tok == int(np.argmax(lp[len(p) - 1 + i]))
+      assert out.logprobs[i] == pytest.approx(lp[len(p) - 1 + i][tok], abs=1e-4)
+  plain = engine.generate(prompt_token_ids=prompts[1], sampling=SamplingParams(max_tokens=2))
+  assert plain.prompt_logprobs is None and len(plain.token_ids) == 2
+  with pytest.raises(ValueError, match="prompt_logprobs"):
+    engine.generate(prompt_token_ids=[5, 6], sampling=SamplingParams(prompt_logprobs=99))

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from blink_jax.sampling import _filtered, _top_n, sample
+from blink_jax.sampling import _filtered, top_n, sample
 
 
 def _reference_keep(x, k, p):
@@ -40,7 +40,7 @@ def test_filter_matches_sorting_reference(seed):
 
 def test_top_n_matches_sort():
   x = jax.random.normal(jax.random.PRNGKey(0), (4, 1000))
-  vals, ids = _top_n(x, 5)
+  vals, ids = top_n(x, 5)
   np.testing.assert_array_equal(np.asarray(ids), np.argsort(-np.asarray(x), axis=1)[:, :5])
   np.testing.assert_allclose(np.asarray(vals), -np.sort(-np.asarray(x), axis=1)[:, :5])
 

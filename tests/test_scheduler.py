@@ -121,6 +121,28 @@ def test_full_ring_stalls_the_request_until_read():
   H.check_run(jobs, res, cfg)
 
 
+def test_prompt_logprobs_once_per_position_through_chunks_small_rings_and_preemption():
+  # Prompts longer than the step budget and than the ring (chunks are cut to the ring), page
+  # pressure that preempts and recomputes: every prompt position is reported exactly once, in
+  # order, with the model's logprob of the prompt token, before the generated tokens.
+  region, cfg = _setup(max_seqs=3, max_context=40, page_size=4, num_pages=14, buckets=(4, 8))
+  jobs = [H.Job(0, list(range(3 + i, 25 + i)), max_tokens=12, ignore_eos=True,
+                prompt_logprobs=True, logprobs=2 if i == 0 else -1) for i in range(3)]
+  jobs.append(H.Job(1, [7, 8, 9], max_tokens=5, ignore_eos=True))
+  res = H.run(jobs, cfg, region, consume_prob=0.5, seed=1)
+  H.check_run(jobs, res, cfg)
+  assert res.summary["preemptions"] > 0
+  assert len(res.results[0].tokens) == 21 + 12
+
+
+def test_prompt_logprobs_need_a_ring_of_two():
+  geo = P.Geometry(num_slots=4, max_prompt=40, ring_capacity=1, max_top_logprobs=3)
+  region, cfg = _setup(geo)
+  jobs = [H.Job(0, [5, 6, 7], 4, prompt_logprobs=True, expect_error=P.Error.FLAGS),
+          H.Job(0, [5, 6, 7], 4, ignore_eos=True)]
+  H.check_run(jobs, H.run(jobs, cfg, region), cfg)
+
+
 def test_stop_ids_and_eos():
   region, cfg = _setup(vocab_size=8, eos_ids=(1, 2))  # small vocab: stops come quickly
   jobs = [H.Job(0, [3, i], 40) for i in range(4)] + [
@@ -172,6 +194,7 @@ def workloads(draw):
                 max_tokens=draw(st.integers(1, 40)),
                 stop_ids=tuple(draw(st.lists(st.integers(0, vocab - 1), max_size=2))),
                 ignore_eos=draw(st.booleans()), logprobs=draw(st.integers(-1, 3)))
+    job.prompt_logprobs = geo.ring_capacity >= 2 and draw(st.integers(0, 3)) == 0
     if kind == "bad_token":
       job.prompt = prompt[:-1] + [vocab + draw(st.integers(0, 5))]
       job.expect_error = P.Error.TOKEN_ID

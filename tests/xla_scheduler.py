@@ -31,7 +31,7 @@ class XlaScheduler:
     self._pt = put(np.zeros((cfg.max_seqs, cfg.max_pages_per_seq), np.int32))
     self._words = None
     self._sched = jax.jit(lambda s, h, p: X.schedule_call(cfg, s, h, p), donate_argnums=(0, 1, 2))
-    self._commit = jax.jit(lambda s, h, p, w, a, b, c, d: X.commit_call(cfg, s, h, p, w, a, b, c, d),
+    self._commit = jax.jit(lambda s, h, p, w, *outs: X.commit_call(cfg, s, h, p, w, *outs),
                            donate_argnums=(0, 1))
 
   @property
@@ -43,13 +43,21 @@ class XlaScheduler:
                                                                   self._pt)
     return np.asarray(self._words)
 
-  def commit(self, sampled, logprobs, top_ids, top_lps):
+  def commit(self, sampled, logprobs, top_ids, top_lps, row_lps=None, row_top_ids=None,
+             row_top_lps=None):
     put = lambda a: jax.device_put(a, self.device)
+    rows, k = self.cfg.token_budget, np.shape(top_ids)[1]
+    if row_lps is None:  # no prompt logprobs asked
+      row_lps, row_top_ids, row_top_lps = (np.zeros(rows), np.zeros((rows, k)),
+                                           np.zeros((rows, k)))
     self.state, self.history = self._commit(self.state, self.history, self._pt, self._words,
                                             put(np.asarray(sampled, np.int32)),
                                             put(np.asarray(logprobs, np.float32)),
                                             put(np.asarray(top_ids, np.int32)),
-                                            put(np.asarray(top_lps, np.float32)))
+                                            put(np.asarray(top_lps, np.float32)),
+                                            put(np.asarray(row_lps, np.float32)),
+                                            put(np.asarray(row_top_ids, np.int32)),
+                                            put(np.asarray(row_top_lps, np.float32)))
 
   def summary(self):
     return F.summarize(self.cfg, np.asarray(self.state))
