@@ -22,7 +22,8 @@ def _random_jobs(rng: random.Random, vocab: int, max_context: int, n: int) -> li
     plen = rng.randint(1, min(30, max_context - 1))
     j = H.Job(rng.randint(0, 20), [rng.randrange(vocab) for _ in range(plen)],
               max_tokens=rng.randint(1, 30), stop_ids=(rng.randrange(vocab),),
-              ignore_eos=rng.random() < 0.5, logprobs=rng.randint(-1, 3))
+              ignore_eos=rng.random() < 0.5, logprobs=rng.randint(-1, 3),
+              prompt_logprobs=rng.random() < 0.3)
     r = rng.random()
     if r < 0.1:
       j.prompt[-1] = vocab + 3
