@@ -155,7 +155,7 @@ class Engine:
                buckets: Sequence[int] | None = None, mode: str = "persistent",
                idle_poll_us: int = 200, region: Any = None, model_name: str = "model",
                tokenizer_path: str | None = None, eos_ids: Sequence[int] | None = None,
-               device: Any = None, frontend_workers: int = 0):
+               device: Any = None, frontend_workers: int = 0, fused_step: bool = False):
     import jax
 
     from blink_jax import executor as X
@@ -214,7 +214,7 @@ class Engine:
         page_size=page_size, num_pages=kv_pages, buckets=tuple(buckets),
         eos_ids=self.eos_ids, idle_poll_us=idle_poll_us)
     self.executor = X.Executor(model, self.sched, max_top_logprobs=max_top_logprobs,
-                               device=self.device)
+                               device=self.device, fused_step=fused_step)
     log.info("engine: model %s (%s, %d layers), dtype %s, device %s, mode %s, max_seqs %d, "
              "kv pages %d x %d, buckets %s", model_name, cfg.name, cfg.num_layers,
              model.dtype, self.device, mode, max_seqs, kv_pages, page_size, list(buckets))

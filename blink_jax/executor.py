@@ -40,10 +40,11 @@ class Carry:
   page_table: jax.Array  # [max_seqs, max_pages_per_seq]
   kv: list               # per layer (k_pages, v_pages)
   shutdown: jax.Array    # int32 scalar: the last schedule saw the shutdown word
+  words: jax.Array       # the batch the next step runs (fused steps; unused when split)
 
 
 jax.tree_util.register_dataclass(Carry, data_fields=["state", "history", "page_table", "kv",
-                                                     "shutdown"], meta_fields=[])
+                                                     "shutdown", "words"], meta_fields=[])
 
 
 # Whether the FFI calls are marked side-effecting. They read and write the mailbox, but every
@@ -59,6 +60,18 @@ def schedule_call(cfg: F.SchedConfig, state, history, page_table):
          jax.ShapeDtypeStruct((F.batch_words(cfg),), jnp.int32))
   return jax.ffi.ffi_call("blink_schedule", out, input_output_aliases={0: 0, 1: 1, 2: 2},
                           has_side_effect=FFI_SIDE_EFFECT)(state, history, page_table, **cfg.attrs())
+
+
+def step_call(cfg: F.SchedConfig, state, history, page_table, words, *outputs):
+  """blink_step: commit of this step's outputs (as commit_call), then the next step's
+  schedule, in one custom call (one kernel on the GPU) -> (state, history, page_table, words)."""
+  out = (jax.ShapeDtypeStruct(state.shape, jnp.int32),
+         jax.ShapeDtypeStruct(history.shape, jnp.int32),
+         jax.ShapeDtypeStruct(page_table.shape, jnp.int32),
+         jax.ShapeDtypeStruct(words.shape, jnp.int32))
+  return jax.ffi.ffi_call("blink_step", out, input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3},
+                          has_side_effect=FFI_SIDE_EFFECT)(
+      state, history, page_table, words, *outputs, **cfg.attrs())
 
 
 def commit_call(cfg: F.SchedConfig, state, history, page_table, words, sampled, logprobs,
@@ -77,7 +90,9 @@ class Executor:
   """Owns the device state and runs the serving loop over one mailbox."""
 
   def __init__(self, model: Gemma, sched: F.SchedConfig, *, max_top_logprobs: int,
-               device: jax.Device | None = None):
+               device: jax.Device | None = None, fused_step: bool = False):
+    """fused_step: one scheduler call per step (blink_step: commit, then the next schedule)
+    instead of two (blink_schedule before the model, blink_commit after it)."""
     F.register_targets()
     self.model = model
     self.sched = sched
@@ -92,7 +107,10 @@ class Executor:
                                  np.zeros((n, k), np.int32), np.zeros((n, k), np.float32),
                                  np.zeros((r,), np.float32), np.zeros((r, k), np.int32),
                                  np.zeros((r, k), np.float32)), self.device)
-    self._step = jax.jit(self._step_fn, donate_argnums=(1,))
+    self.fused_step = fused_step
+    step_fn = self._fused_step_fn if fused_step else self._step_fn
+    self._step = jax.jit(step_fn, donate_argnums=(1,))
+    self._prime = jax.jit(self._prime_fn, donate_argnums=(0,))
     self._loop = jax.jit(self._loop_fn, donate_argnums=(1,))
 
   @property
@@ -109,7 +127,8 @@ class Executor:
           history=jnp.zeros((s.max_seqs, s.max_context), jnp.int32),
           page_table=jnp.zeros((s.max_seqs, s.max_pages_per_seq), jnp.int32),
           kv=init_kv_cache(self.model.cfg, s.num_pages, s.page_size, self.model.dtype),
-          shutdown=jnp.zeros((), jnp.int32))
+          shutdown=jnp.zeros((), jnp.int32),
+          words=jnp.zeros((F.batch_words(s),), jnp.int32))
 
   # ---- one step ----
   def _bucket_branch(self, rows: int):
@@ -162,10 +181,28 @@ class Executor:
     branches = [self._empty_branch] + [self._bucket_branch(r) for r in s.buckets]
     *outs, kv = lax.switch(words[B.BUCKET] + 1, branches, params, words, page_table, c.kv)
     state, history = commit_call(s, state, history, page_table, words, *outs)
-    return Carry(state, history, page_table, kv, words[B.SHUTDOWN])
+    return Carry(state, history, page_table, kv, words[B.SHUTDOWN], words)
+
+  def _prime_fn(self, c: Carry) -> Carry:
+    """The first schedule of a fused loop (every later one runs inside blink_step)."""
+    state, history, page_table, words = schedule_call(self.sched, c.state, c.history,
+                                                      c.page_table)
+    return Carry(state, history, page_table, c.kv, words[B.SHUTDOWN], words)
+
+  def _fused_step_fn(self, params, c: Carry) -> Carry:
+    """Runs the model on the scheduled batch, then commits it and schedules the next."""
+    s = self.sched
+    branches = [self._empty_branch] + [self._bucket_branch(r) for r in s.buckets]
+    *outs, kv = lax.switch(c.words[B.BUCKET] + 1, branches, params, c.words, c.page_table, c.kv)
+    state, history, page_table, words = step_call(s, c.state, c.history, c.page_table,
+                                                  c.words, *outs)
+    return Carry(state, history, page_table, kv, words[B.SHUTDOWN], words)
 
   def _loop_fn(self, params, c: Carry) -> Carry:
-    return lax.while_loop(lambda c: c.shutdown == 0, lambda c: self._step_fn(params, c), c)
+    step = self._fused_step_fn if self.fused_step else self._step_fn
+    if self.fused_step:
+      c = self._prime_fn(c)
+    return lax.while_loop(lambda c: c.shutdown == 0, lambda c: step(params, c), c)
 
   # ---- drivers ----
   def compile(self, carry: Carry, mode: str):
@@ -189,6 +226,10 @@ class Executor:
   def run_host(self, carry: Carry, compiled=None, on_step=None) -> Carry:
     """Host-driven: Python launches every step and waits for it (the conventional design)."""
     fn = compiled or self._step
+    if self.fused_step:
+      carry = self._prime(carry)
+      if int(carry.shutdown):
+        return carry
     while True:
       carry = fn(self.inputs, carry)
       if int(carry.shutdown):  # waits for the step, as serving loops that read tokens do

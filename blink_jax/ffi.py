@@ -189,7 +189,7 @@ def geometry_offsets(geo, slot: int) -> list[int]:
 
 @functools.cache
 def register_targets() -> tuple[str, ...]:
-  """Registers blink_schedule / blink_commit with XLA for every platform we have handlers for."""
+  """Registers blink_schedule / blink_commit / blink_step with XLA for every platform we have handlers for."""
   import jax  # the protocol and the C API above need no JAX; the FFI targets do
 
   platforms = ["cpu"]
@@ -198,12 +198,16 @@ def register_targets() -> tuple[str, ...]:
                               platform="cpu")
   jax.ffi.register_ffi_target("blink_commit", jax.ffi.pycapsule(lib.BlinkCommitCpu),
                               platform="cpu")
+  jax.ffi.register_ffi_target("blink_step", jax.ffi.pycapsule(lib.BlinkStepCpu),
+                              platform="cpu")
   cuda = cuda_library()
   if cuda is not None:
     try:
       jax.ffi.register_ffi_target("blink_schedule", jax.ffi.pycapsule(cuda.BlinkScheduleCuda),
                                   platform="CUDA")
       jax.ffi.register_ffi_target("blink_commit", jax.ffi.pycapsule(cuda.BlinkCommitCuda),
+                                  platform="CUDA")
+      jax.ffi.register_ffi_target("blink_step", jax.ffi.pycapsule(cuda.BlinkStepCuda),
                                   platform="CUDA")
       platforms.append("cuda")
     except Exception:  # no CUDA plugin in this jax: CPU only

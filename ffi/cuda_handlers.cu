@@ -64,6 +64,21 @@ __global__ void __launch_bounds__(kThreads) commit_kernel(BlinkSchedConfig c, in
   });
 }
 
+// Commit of this step and schedule of the next in one kernel: one launch and one load/store
+// of the hot state per loop iteration instead of two.
+__global__ void __launch_bounds__(kThreads) step_kernel(BlinkSchedConfig c, int32_t* st,
+                                                        int32_t* hist, int32_t* pt,
+                                                        int32_t* batch, BlinkStepOutputs step,
+                                                        bool shared) {
+  __shared__ int32_t scratch[kThreads / 32 + 1];
+  BlinkSched S(c, reinterpret_cast<uint8_t*>(c.mailbox), st, hist, pt, batch);
+  with_hot_state(S, st, shared, C_COMMIT_NS, [&](BlinkSched& s) {
+    s.commit(DeviceExec{scratch}, step);
+    __syncthreads();
+    s.schedule(DeviceExec{scratch});
+  });
+}
+
 // Dynamic shared memory for the hot state, or 0 when it does not fit (state stays in L2).
 int64_t hot_bytes(const BlinkSchedConfig& c) {
   int64_t b = BlinkHotLayout(c).total * int64_t(sizeof(int32_t));
@@ -135,6 +150,28 @@ ffi::Error CommitImpl(cudaStream_t s, ffi::Buffer<ffi::S32> state, ffi::Buffer<f
       smem > 0);
   return last_error();
 }
+ffi::Error StepImpl(cudaStream_t s, ffi::Buffer<ffi::S32> state, ffi::Buffer<ffi::S32> history,
+                    ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> batch,
+                    ffi::Buffer<ffi::S32> sampled, ffi::Buffer<ffi::F32> logprobs,
+                    ffi::Buffer<ffi::S32> top_ids, ffi::Buffer<ffi::F32> top_lps,
+                    ffi::Buffer<ffi::F32> row_lps, ffi::Buffer<ffi::S32> row_top_ids,
+                    ffi::Buffer<ffi::F32> row_top_lps, ffi::ResultBuffer<ffi::S32> state_out,
+                    ffi::ResultBuffer<ffi::S32> history_out,
+                    ffi::ResultBuffer<ffi::S32> page_table_out,
+                    ffi::ResultBuffer<ffi::S32> batch_out, BlinkSchedConfig c) {
+  if (auto e = blink::CheckState(c, state); e.failure()) return e;
+  carry(s, state, state_out);
+  carry(s, history, history_out);
+  carry(s, page_table, page_table_out);
+  carry(s, batch, batch_out);
+  int64_t smem = hot_bytes(c);
+  step_kernel<<<1, kThreads, smem, s>>>(
+      c, state_out->typed_data(), history_out->typed_data(), page_table_out->typed_data(),
+      batch_out->typed_data(),
+      blink::StepOutputs(sampled, logprobs, top_ids, top_lps, row_lps, row_top_ids, row_top_lps),
+      smem > 0);
+  return last_error();
+}
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -145,6 +182,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     BlinkCommitCuda, CommitImpl,
     blink::CommitBinding(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    BlinkStepCuda, StepImpl,
+    blink::StepBinding(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
     {ffi::Traits::kCmdBufferCompatible});
 
 // Host-mapped memory for the shared-memory transport: the GPU reads the mailbox in place.

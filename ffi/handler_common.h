@@ -64,6 +64,32 @@ auto CommitBinding(B b) {
       .template Attrs<BlinkSchedConfig>();
 }
 
+// blink_step = blink_commit of this step, then blink_schedule of the next, in one call:
+// blink_step(<blink_commit's arguments>) -> (state, history, page_table, batch)
+// (batch in: this step's descriptor; batch out: the next step's, written after commit read it)
+template <class B>
+auto StepBinding(B b) {
+  using ::xla::ffi::Buffer;
+  using ::xla::ffi::F32;
+  using ::xla::ffi::S32;
+  return std::move(b).template Arg<Buffer<S32>>()
+      .template Arg<Buffer<S32>>()
+      .template Arg<Buffer<S32>>()
+      .template Arg<Buffer<S32>>()
+      .template Arg<Buffer<S32>>()
+      .template Arg<Buffer<F32>>()
+      .template Arg<Buffer<S32>>()
+      .template Arg<Buffer<F32>>()
+      .template Arg<Buffer<F32>>()
+      .template Arg<Buffer<S32>>()
+      .template Arg<Buffer<F32>>()
+      .template Ret<Buffer<S32>>()
+      .template Ret<Buffer<S32>>()
+      .template Ret<Buffer<S32>>()
+      .template Ret<Buffer<S32>>()
+      .template Attrs<BlinkSchedConfig>();
+}
+
 // The commit's step outputs from its argument buffers.
 template <class I, class F>
 BlinkStepOutputs StepOutputs(const I& sampled, const F& logprobs, const I& top_ids,

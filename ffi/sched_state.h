@@ -94,7 +94,7 @@ enum BlinkCounter {
   C_CANCELLED,
   C_PREEMPTIONS,
   C_SCHEDULE_NS,   // device time inside the schedule kernel (CUDA handlers only)
-  C_COMMIT_NS,     // device time inside the commit kernel (CUDA handlers only)
+  C_COMMIT_NS,     // device time inside the commit (or fused step) kernel (CUDA handlers only)
   C_NUM_COUNTERS = 16
 };
 

@@ -33,6 +33,7 @@ flags.DEFINE_integer("interference", -1, "thrashing processes (-1: 2 x nproc; 0:
 flags.DEFINE_integer("page_size", 16, "KV page size")
 flags.DEFINE_list("buckets", ["1", "8", "64", "256"], "token buckets")
 flags.DEFINE_string("out", "bench/results/executor_latency.json", "JSON result file")
+flags.DEFINE_bool("fused", False, "one scheduler call per step (blink_step)")
 
 def _clock_main(shm_name: str, geo: P.Geometry, slot: int, cpu: int | None, ready, stop, conn):
   """The frontend process: timestamps every new output entry of one slot and drains every
@@ -113,7 +114,7 @@ def build_engine(mode: str, max_seqs: int):
   eng = Engine(model, None, mode=mode, max_seqs=max_seqs, page_size=FLAGS.page_size,
                region=region,
                max_context=ctx, num_slots=max(2 * max_seqs, 8), ring_capacity=64,
-               max_top_logprobs=0, buckets=buckets, idle_poll_us=50,
+               max_top_logprobs=0, buckets=buckets, idle_poll_us=50, fused_step=FLAGS.fused,
                kv_pages=max_seqs * (-(-ctx // FLAGS.page_size)) + 8)
   eng.shm = shm
   return eng, cfg
@@ -194,7 +195,8 @@ def main(argv):
                        "ratio_p99", "device_ratio_p99", "tpot_ms_n"]))
   C.write_result(FLAGS.out, "executor_latency", rows,
                  {"config": FLAGS.config, "dtype": FLAGS.dtype, "prompt": FLAGS.prompt,
-                  "tokens": FLAGS.tokens, "modes": reports, "cpus": len(cpus)})
+                  "tokens": FLAGS.tokens, "modes": reports, "cpus": len(cpus),
+                  "fused_step": FLAGS.fused})
 
 
 if __name__ == "__main__":

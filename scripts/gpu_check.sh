@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA handlers, run the GPU tests, run the benchmarks.
-# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|sched|executor|all]...
+# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|diag|overhead|sched|executor|fused|hf|serving|step|all]...
 # Results: bench/results/*.json (commit them) and copies plus logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -76,6 +76,16 @@ if has executor; then
     --prompt 1024 --tokens 128 --out bench/results/executor_latency_h200.json 2>&1 \
     | grep -v "^[IW]1" | tail -25 | tee -a "$OUT/log.txt"
   cp bench/results/executor_latency_h200.json "$OUT/" 2>/dev/null
+fi
+if has fused; then
+  log "fused step (one scheduler call per step) vs split, quiet and under interference"
+  timeout 200 python3 scripts/diag_loop_overhead.py --iters 20000 --repeats 2 --interference 32 \
+    --variants ffi_sc,ffi_f --out bench/results/loop_overhead_fused_h200.json 2>&1 \
+    | grep -v "^[IW]1" | tail -6 | tee -a "$OUT/log.txt"
+  timeout ${EXEC_TIMEOUT:-400} python3 scripts/bench_executor.py --fused --config gemma3-1b \
+    --batches 1,64 --prompt 1024 --tokens 128 --out bench/results/executor_latency_fused_h200.json \
+    2>&1 | grep -v "^[IW]1" | tail -12 | tee -a "$OUT/log.txt"
+  tar czf "$OUT/fused_results.tgz" bench/results/*fused_h200.json 2>/dev/null
 fi
 if has hf; then
   log "HF transformers single-stream reference (Gemma 3 1B shape, random weights)"

@@ -20,12 +20,13 @@ from scripts import bench_common as C
 
 
 def _sched_loop(calls: str, top: int = 0):
-  """A loop over scheduler calls ('s' schedule, 'c' commit, in order) on an empty mailbox
+  """A loop over scheduler calls ('s' schedule, 'c' commit, 'f' the fused blink_step, in
+  order) on an empty mailbox
   in GPU memory; `top` columns of top-logprob inputs to commit."""
   from blink_jax import ffi as F
   from blink_jax import protocol as P
   from blink_jax.device_region import DeviceRegion
-  from blink_jax.executor import commit_call, schedule_call
+  from blink_jax.executor import commit_call, schedule_call, step_call
   geo = P.Geometry(64, 16, 64, top)
   region = DeviceRegion(geo.total_bytes)
   cfg = F.SchedConfig.build(
@@ -39,6 +40,12 @@ def _sched_loop(calls: str, top: int = 0):
     for k in calls:
       if k == "s":
         state, hist, pt, words = schedule_call(cfg, state, hist, pt)
+      elif k == "f":
+        lp = lax.bitcast_convert_type(words[:64], jnp.float32)
+        tid = jnp.broadcast_to(words[:64, None], (64, top))
+        tlp = lax.bitcast_convert_type(tid, jnp.float32)
+        state, hist, pt, words = step_call(cfg, state, hist, pt, words, words[:64], lp, tid,
+                                           tlp, lp, tid, tlp)
       else:
         lp = lax.bitcast_convert_type(words[:64], jnp.float32)
         tid = jnp.broadcast_to(words[:64, None], (64, top))
