@@ -243,12 +243,14 @@ def test_prompt_logprobs_match_the_model(engine, dense):
 @pytest.mark.parametrize("mode", ["persistent", "host"])
 def test_fused_step_equals_the_dense_reference(model, dense, mode):
   # One scheduler call per step (commit, then the next schedule): same tokens, same logprobs
-  # of prompt and output, no page left behind.
+  # of prompt and output, no page left behind. The references are computed first: on the
+  # CPU backend two persistent loops (this engine and the module's) hold XLA's worker threads.
+  prompts = [[3, 4, 5], [6] * 20, list(range(10, 50))]
+  want = [dense(p, 6) for p in prompts]
+  lp = np.asarray(jax.nn.log_softmax(dense.logits(prompts[2] + want[2]), axis=-1))
   with Engine(model, None, mode=mode, fused_step=True, **ENGINE_KW) as eng:
-    prompts = [[3, 4, 5], [6] * 20, list(range(10, 50))]
     outs = eng.generate(prompt_token_ids=prompts, sampling=SamplingParams(
         max_tokens=6, ignore_eos=True, logprobs=1, prompt_logprobs=1))
-    assert [o.token_ids for o in outs] == [dense(p, 6) for p in prompts]
-    lp = np.asarray(jax.nn.log_softmax(dense.logits(prompts[2] + outs[2].token_ids), axis=-1))
+    assert [o.token_ids for o in outs] == want
     assert outs[2].prompt_logprobs[5] == pytest.approx(lp[4][prompts[2][5]], abs=1e-4)
     assert eng.stats()["pages_in_use"] == 0
