@@ -13,7 +13,10 @@ log = logging.getLogger("blink_jax")
 
 COMMAND_TYPES = os.environ.get(
     "BLINK_COMMAND_BUFFER_TYPES",
-    "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,WHILE,CONDITIONAL")
+    "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION")
+# DYNAMIC_SLICE_FUSION: XLA wraps a custom call whose operands are slices (e.g. a scheduler
+# call fed `words[:n]`) in a dynamic-slice fusion; without this type the whole enclosing while
+# loop stays host-driven.
 COMMAND_BUFFER_FLAGS = (
     f"--xla_gpu_enable_command_buffer={COMMAND_TYPES}",
     "--xla_gpu_graph_min_graph_size=1",

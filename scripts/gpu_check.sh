@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA handlers, run the GPU tests, run the benchmarks.
-# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|diag|overhead|sched|executor|fused|hf|serving|step|all]...
+# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|hf|serving|step|all]...
 # Results: bench/results/*.json (commit them) and copies plus logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +23,19 @@ cmake -S . -B build/device -G Ninja -DSKBUILD_STATE=editable -DPython_EXECUTABLE
   >"$OUT/build.txt" 2>&1 && cmake --build build/device >>"$OUT/build.txt" 2>&1 \
   || { tail -30 "$OUT/build.txt"; exit 1; }
 ls -la blink_jax/_lib | tee -a "$OUT/log.txt"
+# A command type this XLA does not know aborts every JAX process at flag parsing: check once.
+if ! python3 -c "from blink_jax import xla_flags; xla_flags.configure_command_buffers()
+import jax; jax.numpy.ones(1).block_until_ready()" >/dev/null 2>&1; then
+  export BLINK_COMMAND_BUFFER_TYPES=FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,WHILE,CONDITIONAL
+  log "XLA refused the default command types; using $BLINK_COMMAND_BUFFER_TYPES"
+fi
+if has bisect; then
+  log "which loop bodies CPU interference reaches (device_while per loop)"
+  timeout ${BISECT_TIMEOUT:-330} python3 scripts/diag_loop_overhead.py --iters 20000 --repeats 2 \
+    --interference 32 --variants ${BISECT_VARIANTS:-trivial,nested,ffi_s,ffi_c,ffi_sc,ffi_f,model-gemma3-1b-b1,model-gemma3-1b-b1+ffi_sc,model-gemma3-1b-b1+ffi_f} \
+    --out bench/results/loop_bisect_h200.json 2>&1 | grep -v "^[IW]1" | tail -24 | tee -a "$OUT/log.txt"
+  cp bench/results/loop_bisect_h200.json "$OUT/" 2>/dev/null
+fi
 
 if has tests; then
   log "gpu tests"

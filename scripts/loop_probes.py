@@ -60,10 +60,42 @@ def _sched_loop(calls: str, top: int = 0):
   return body, args, region
 
 
+def _model_loop(config: str, batch: int, context: int = 1024):
+  """A loop of greedy decode steps of a random-weight model (bf16): `batch` sequences at
+  `context` tokens each; the sampled tokens feed the next step."""
+  from flax import nnx
+
+  from blink_jax.config import get_config, tiny_config
+  from blink_jax.model import Gemma, init_kv_cache
+  cfg = tiny_config("gemma3") if config == "tiny" else get_config(config)
+  model = Gemma(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  page = 16
+  pages = -(-(context + 1) // page)
+  kv = init_kv_cache(cfg, batch * pages + 1, page, jnp.bfloat16)
+  pt = jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages)
+  positions = jnp.full((batch,), context - 1, jnp.int32)
+  seq_ids = jnp.arange(batch, dtype=jnp.int32)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, batch), jnp.int32)
+
+  def body(c):
+    i, params, kv, tokens = c
+    m = nnx.merge(graphdef, params)
+    hidden, kv = m.forward(tokens, positions, seq_ids, pt, kv)
+    return i + 1, params, kv, jnp.argmax(m.logits(hidden), axis=-1).astype(jnp.int32)
+  return body, (params, kv, tokens), None
+
+
 def variant(name: str):
-  """(body over (i, *rest), rest, keepalive)."""
+  """(body over (i, *rest), rest, keepalive, index in rest of the scheduler state or None).
+
+  Names: trivial, kernels20, swap, switch; ffi_<calls>[_top<k>] (scheduler calls, e.g.
+  ffi_sc, ffi_c, ffi_f); model-<config>-b<batch> (decode steps); and `a+b` for a loop whose
+  body runs both (e.g. model-gemma3-1b-b1+ffi_sc: which of the two interference reaches)."""
+  if "+" in name:
+    return _compose([variant(p) for p in name.split("+")])
   if name == "trivial":
-    return (lambda c: (c[0] + 1, c[1] * 1.0001)), (jnp.ones((8,), jnp.float32),), None
+    return (lambda c: (c[0] + 1, c[1] * 1.0001)), (jnp.ones((8,), jnp.float32),), None, None
   if name == "kernels20":
     w = jnp.asarray(np.random.default_rng(0).standard_normal((64, 64)) / 8, jnp.float32)
 
@@ -72,29 +104,63 @@ def variant(name: str):
       for _ in range(20):  # a matmul and a fusion each: ~40 kernels per iteration
         x = jnp.tanh(x @ w)
       return i + 1, x
-    return body, (jnp.ones((8, 64), jnp.float32),), w
+    return body, (jnp.ones((8, 64), jnp.float32),), w, None
   if name == "swap":  # swapping two carried buffers makes XLA copy inside the loop
     return (lambda c: (c[0] + 1, c[2], c[1])), (jnp.ones((1024,), jnp.float32),
-                                                 jnp.zeros((1024,), jnp.float32)), None
+                                                 jnp.zeros((1024,), jnp.float32)), None, None
   if name == "switch":
     def body(c):
       i, x = c
       x = lax.switch(i % 3, [lambda x: x * 1.0001, lambda x: x + 1.0, lambda x: x - 1.0], x)
       return i + 1, x
-    return body, (jnp.ones((8,), jnp.float32),), None
+    return body, (jnp.ones((8,), jnp.float32),), None, None
+  if name == "nested":  # a cond inside a switch branch, as the engine's prompt-logprob cond
+    def branch(k):
+      return lambda x: lax.cond(x[0] > 1e30, lambda x: x * 2.0, lambda x: x + k, x)
+
+    def body(c):
+      i, x = c
+      return i + 1, lax.switch(i % 3, [branch(1.0), branch(-1.0), branch(0.5)], x)
+    return body, (jnp.ones((8,), jnp.float32),), None, None
   if name.startswith("ffi_"):  # ffi_<calls>[_top<k>], e.g. ffi_sc, ffi_c, ffi_ss, ffi_sc_top1
     parts = name.split("_")
     top = int(parts[2][3:]) if len(parts) > 2 else 0
-    return _sched_loop(parts[1], top)
+    return (*_sched_loop(parts[1], top), 0)
+  if name.startswith("model-"):
+    config, batch = name[len("model-"):].rsplit("-b", 1)
+    return (*_model_loop(config, int(batch)), None)
   raise ValueError(f"unknown variant {name!r}")
+
+
+def _compose(probes):
+  """One loop body that runs each probe's body on its own part of the carry, in order."""
+  sizes = [len(rest) for _, rest, _, _ in probes]
+  state = next((sum(sizes[:k]) + s for k, (_, _, _, s) in enumerate(probes) if s is not None),
+               None)
+
+  def body(c):
+    i, rest, out, k = c[0], c[1:], [], 0
+    for (fn, _, _, _), n in zip(probes, sizes):
+      out += list(fn((i, *rest[k:k + n]))[1:])
+      k += n
+    return (i + 1, *out)
+  rest = tuple(x for _, r, _, _ in probes for x in r)
+  return body, rest, [keep for _, _, keep, _ in probes], state
 
 
 def measure(name: str, levels: list[int], iters: int, repeats: int,
             dump_hlo: str | None = None) -> list[dict]:
-  body, rest, keep = variant(name)
+  from blink_jax.executor import capture_stderr, command_buffer_report
+  body, rest, keep, state_at = variant(name)
+  if "model-" in name:  # a model step takes milliseconds, not microseconds
+    iters = max(iters // 100, 20)
   n = jnp.int32(iters)
   run = jax.jit(lambda rest: lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(0), *rest)))
-  compiled = run.lower(rest).compile()
+  with capture_stderr() as compile_log:
+    compiled = run.lower(rest).compile()
+  # Whether this loop became a device-side WHILE: a loop the host drives is slowed by a busy
+  # CPU for an unrelated reason, so every row says which kind it measured.
+  loop = command_buffer_report(compiled, compile_log(), jax.devices()[0], "persistent")
   hlo = compiled.as_text()
   if dump_hlo:
     os.makedirs(dump_hlo, exist_ok=True)
@@ -116,8 +182,8 @@ def measure(name: str, levels: list[int], iters: int, repeats: int,
         t = time.perf_counter()
         out = jax.block_until_ready(run(rest))
         per.append((time.perf_counter() - t) / iters * 1e6)
-        if name.startswith("ffi_"):  # counters C_SCHEDULE_NS, C_COMMIT_NS of the state
-          ns = np.asarray(out[1][:32]).view(np.uint64)[10:12]
+        if state_at is not None:  # counters C_SCHEDULE_NS, C_COMMIT_NS of the state
+          ns = np.asarray(out[1 + state_at][:32]).view(np.uint64)[10:12]
           kernel.append(float(ns.sum()) / iters / 1e3)
     finally:
       for p in procs:
@@ -125,11 +191,13 @@ def measure(name: str, levels: list[int], iters: int, repeats: int,
       for p in procs:
         p.wait()
     rows.append({"variant": name, "interference": lvl, "hlo_copies": copies,
+                 "device_while": loop.get("device_while"),
                  "unaliased_ffi_calls": unaliased, **C.stats(per, "us_per_iter"),
                  **(C.stats(kernel, "kernel_us_per_iter") if kernel else {})})
   quiet = rows[0]["us_per_iter_median"]
   for r in rows:
     r["ratio"] = r["us_per_iter_median"] / quiet
-  if keep is not None and hasattr(keep, "free"):
-    keep.free()
+  for k in keep if isinstance(keep, list) else [keep]:
+    if hasattr(k, "free"):
+      k.free()
   return rows

@@ -1,0 +1,35 @@
+"""The loop probes behind scripts/diag_loop_overhead.py and bench_step.py (CPU: timing and
+composition only; the scheduler probes need a GPU mailbox)."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from scripts import loop_probes as D
+
+
+def test_composed_body_runs_each_part_on_its_own_carry():
+  body, rest, _, state_at = D.variant("trivial+switch")
+  assert state_at is None and len(rest) == 2
+  i, a, b = body((jnp.int32(0), *rest))
+  ta, tb = D.variant("trivial")[0], D.variant("switch")[0]
+  np.testing.assert_allclose(a, ta((jnp.int32(0), rest[0]))[1])
+  np.testing.assert_allclose(b, tb((jnp.int32(0), rest[1]))[1])
+  assert int(i) == 1
+
+
+def test_model_probe_decodes_greedily():
+  body, (params, kv, tokens), _, _ = D.variant("model-tiny-b2")
+  i, _, _, nxt = body((jnp.int32(0), params, kv, tokens))
+  assert nxt.shape == (2,) and nxt.dtype == jnp.int32 and int(i) == 1
+
+
+def test_measure_reports_loop_kind_and_ratio():
+  rows = D.measure("nested", [0], iters=50, repeats=2)
+  assert rows[0]["variant"] == "nested" and rows[0]["ratio"] == 1.0
+  assert rows[0]["device_while"] is False  # CPU: no command buffers
+  assert rows[0]["us_per_iter_median"] > 0 and len(rows[0]["us_per_iter_all"]) == 2
+
+
+def test_unknown_variant_is_named():
+  with pytest.raises(ValueError, match="nope"):
+    D.variant("nope")
