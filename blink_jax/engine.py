@@ -220,6 +220,8 @@ class Engine:
              model.dtype, self.device, mode, max_seqs, kv_pages, page_size, list(buckets))
     carry = self.executor.initial_carry()
     self.compiled = self.executor.compile(carry, mode)
+    if mode == "persistent":  # before READY: no frontend sees the shutdown word it sets
+      carry = self.executor.warm_up(carry, self.compiled, self._write_shutdown)
 
     self.client = M.MailboxClient(self.region, frontend_workers, self.mailbox_workers)
     self._lock = threading.Lock()
@@ -278,6 +280,10 @@ class Engine:
     off = P.HEADER_DTYPE.fields["engine_state"][1]
     self.region.write(off, int(s).to_bytes(4, "little"))
 
+  def _write_shutdown(self, on: bool) -> None:
+    off = P.HEADER_DTYPE.fields["shutdown"][1]
+    self.region.write(off, int(on).to_bytes(4, "little"))
+
   def _run_loop(self, carry) -> None:
     try:
       if self.mode == "persistent":
@@ -301,8 +307,7 @@ class Engine:
     deadline = time.monotonic() + timeout
     while self._active and time.monotonic() < deadline and self._loop_thread.is_alive():
       time.sleep(0.005)
-    off = P.HEADER_DTYPE.fields["shutdown"][1]
-    self.region.write(off, (1).to_bytes(4, "little"))
+    self._write_shutdown(True)
     self._loop_thread.join(max(0.0, deadline - time.monotonic()))
     self._poll_thread.join(1.0)
     if self._registered is not None:

@@ -8,7 +8,7 @@ OUT=${OUT:-/tmp/blink_gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 # XLA reads its log verbosity when it loads: the executor's device-loop report needs this line.
-export TF_CPP_VMODULE=command_buffer_conversion_pass=2 TF_CPP_MIN_LOG_LEVEL=0
+export TF_CPP_VMODULE=command_buffer_conversion_pass=2,command_buffer_thunk=2 TF_CPP_MIN_LOG_LEVEL=0
 parts=${*:-all}
 log() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$OUT/log.txt"; }
 has() { [[ " $parts " == *" $1 "* || " $parts " == *" all "* ]]; }
@@ -39,7 +39,7 @@ fi
 
 if has tests; then
   log "gpu tests"
-  timeout 420 python3 -m pytest -m gpu ${GPU_TESTS:-tests/test_scheduler_backends.py tests/test_engine_gpu.py tests/test_device_region.py} \
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu ${GPU_TESTS:-tests/test_scheduler_backends.py tests/test_engine_gpu.py tests/test_device_region.py} \
     -q -s -p no:cacheprovider 2>&1 | tail -40 | tee -a "$OUT/log.txt"
 fi
 if has diag; then
@@ -91,14 +91,12 @@ if has executor; then
   cp bench/results/executor_latency_h200.json "$OUT/" 2>/dev/null
 fi
 if has fused; then
-  log "fused step (one scheduler call per step) vs split, quiet and under interference"
-  timeout 200 python3 scripts/diag_loop_overhead.py --iters 20000 --repeats 2 --interference 32 \
-    --variants ffi_sc,ffi_f --out bench/results/loop_overhead_fused_h200.json 2>&1 \
-    | grep -v "^[IW]1" | tail -6 | tee -a "$OUT/log.txt"
-  timeout ${EXEC_TIMEOUT:-400} python3 scripts/bench_executor.py --fused --config gemma3-1b \
-    --batches 1,64 --prompt 1024 --tokens 128 --out bench/results/executor_latency_fused_h200.json \
-    2>&1 | grep -v "^[IW]1" | tail -12 | tee -a "$OUT/log.txt"
-  tar czf "$OUT/fused_results.tgz" bench/results/*fused_h200.json 2>/dev/null
+  log "fused step (one scheduler call per step), persistent mode"
+  timeout ${EXEC_TIMEOUT:-400} python3 scripts/bench_executor.py --fused --modes persistent \
+    --config gemma3-1b --batches 1,64 --prompt 1024 --tokens 128 \
+    --out bench/results/executor_latency_fused_h200.json 2>&1 | grep -v "^[IW]1" | tail -8 \
+    | tee -a "$OUT/log.txt"
+  cp bench/results/executor_latency_fused_h200.json "$OUT/" 2>/dev/null
 fi
 if has hf; then
   log "HF transformers single-stream reference (Gemma 3 1B shape, random weights)"

@@ -193,6 +193,15 @@ def test_stats_after_work(engine):
   assert s["requests_finished"] == s["requests_admitted"]
 
 
+def test_warm_up_run_leaves_the_loop_serving(engine):
+  """The persistent loop ran once with the shutdown word set (XLA's warm-up execution); the
+  word is clear again and the real run has iterated since."""
+  from blink_jax import mailbox as M
+  h = M.read_header(engine.region)
+  assert int(h["shutdown"]) == 0 and engine.running
+  assert int(h["loop_iterations"]) >= 2
+
+
 def test_host_mode_equals_persistent(model, dense):
   with Engine(model, None, mode="host", **ENGINE_KW) as eng:
     prompts = [[3, 4, 5], [6] * 20]
