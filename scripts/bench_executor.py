@@ -135,11 +135,13 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
       slots.append(eng.client.submit(M.Request(prompt=prompt, max_tokens=FLAGS.tokens,
                                                ignore_eos=True)))
     assert slots[-1] == watched
+    h0 = M.read_header(eng.region)
     t0 = time.perf_counter()
     while any(not eng.client.poll(s).finished for s in slots):
-      time.sleep(0.01)
+      time.sleep(0.001)
       if time.perf_counter() - t0 > 300:
         raise TimeoutError("requests did not finish")
+    h1 = M.read_header(eng.region)
     clock.finish()
   finally:
     for p in procs:
@@ -148,7 +150,13 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
       p.wait()
   for s in slots:
     eng.client.release(s)
+  # Loop iterations and model steps per generated token: more iterations than steps means
+  # the loop idled (nothing runnable) between steps.
+  delta = {k: int(h1[k]) - int(h0[k]) for k in ("loop_iterations", "steps", "tokens_generated")}
+  per_tok = max(delta["tokens_generated"], 1) / batch
   return {"batch": batch, "interference": interference,
+          "iterations_per_token": delta["loop_iterations"] / per_tok,
+          "steps_per_token": delta["steps"] / per_tok,
           **C.percentile_stats(clock.intervals_ms(), "tpot_ms"),
           **C.percentile_stats(clock.intervals_ms(device=True), "device_tpot_ms")}
 
@@ -192,7 +200,7 @@ def main(argv):
         r[k.replace("tpot_ms", "ratio")] = r[k] / quiet[k]
   print(C.table(rows, ["mode", "batch", "interference", "tpot_ms_p50", "tpot_ms_p90",
                        "tpot_ms_p99", "device_tpot_ms_p50", "device_tpot_ms_p99", "ratio_p50",
-                       "ratio_p99", "device_ratio_p99", "tpot_ms_n"]))
+                       "ratio_p99", "iterations_per_token", "steps_per_token"]))
   C.write_result(FLAGS.out, "executor_latency", rows,
                  {"config": FLAGS.config, "dtype": FLAGS.dtype, "prompt": FLAGS.prompt,
                   "tokens": FLAGS.tokens, "modes": reports, "cpus": len(cpus),

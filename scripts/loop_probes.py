@@ -92,6 +92,8 @@ def variant(name: str):
   Names: trivial, kernels20, swap, switch; ffi_<calls>[_top<k>] (scheduler calls, e.g.
   ffi_sc, ffi_c, ffi_f); model-<config>-b<batch> (decode steps); and `a+b` for a loop whose
   body runs both (e.g. model-gemma3-1b-b1+ffi_sc: which of the two interference reaches)."""
+  if name.startswith("cond-"):  # the probe's body inside a two-way branch (as the engine's
+    return _in_cond(variant(name[len("cond-"):]))  # model sits inside its bucket switch)
   if "+" in name:
     return _compose([variant(p) for p in name.split("+")])
   if name == "trivial":
@@ -130,6 +132,16 @@ def variant(name: str):
     config, batch = name[len("model-"):].rsplit("-b", 1)
     return (*_model_loop(config, int(batch)), None)
   raise ValueError(f"unknown variant {name!r}")
+
+
+def _in_cond(probe):
+  """Runs the body in the taken branch of a lax.cond whose predicate XLA cannot fold."""
+  fn, rest, keep, state = probe
+
+  def body(c):
+    i = c[0]
+    return lax.cond(i % 7919 >= 0, fn, lambda c: (c[0] + 1, *c[1:]), c)
+  return body, rest, keep, state
 
 
 def _compose(probes):

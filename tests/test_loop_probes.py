@@ -33,3 +33,10 @@ def test_measure_reports_loop_kind_and_ratio():
 def test_unknown_variant_is_named():
   with pytest.raises(ValueError, match="nope"):
     D.variant("nope")
+
+
+def test_cond_wrapper_takes_the_body_branch():
+  body, rest, _, _ = D.variant("cond-trivial")
+  i, x = body((jnp.int32(3), *rest))
+  np.testing.assert_allclose(x, rest[0] * 1.0001)
+  assert int(i) == 4
