@@ -86,6 +86,65 @@ def _model_loop(config: str, batch: int, context: int = 1024):
   return body, (params, kv, tokens), None
 
 
+class _Mailbox:
+  """A mailbox holding `batch` submitted requests, in GPU memory or host-mapped; `reset()`
+  restores it before every timed run (each run starts from the same initial carry)."""
+
+  def __init__(self, geo, vocab: int, max_context: int, batch: int, prompt: int, where: str):
+    from blink_jax import mailbox as M
+    image = M.LocalRegion(C.host_buffer(geo.total_bytes))
+    M.init_header(image, geo, vocab_size=vocab, max_context=max_context, num_workers=1, eos_id=1)
+    client = M.MailboxClient(image)
+    rng = np.random.default_rng(0)
+    for _ in range(batch):
+      client.submit(M.Request(prompt=[int(t) for t in rng.integers(3, vocab, prompt)],
+                              max_tokens=1 << 20, ignore_eos=True))
+    self.image = np.array(image.buf[:geo.total_bytes])
+    if where == "device":
+      from blink_jax.device_region import DeviceRegion
+      self.region = DeviceRegion(geo.total_bytes)
+      self.address, self.free = self.region.address, self.region.free
+    else:
+      self.host = M.LocalRegion(C.host_buffer(geo.total_bytes))
+      self.address, self.free = C.device_mailbox(self.host, geo.total_bytes)
+    self.reset()
+
+  def reset(self):
+    if hasattr(self, "region"):
+      self.region.upload(self.image)
+    else:
+      self.host.buf[:self.image.size] = self.image
+
+
+def _engine_loop(config: str, batch: int, where: str, prompt: int = 1024, ring: int = 512):
+  """The engine's own step (schedule -> bucket switch with the model and sampling -> commit)
+  over `batch` requests decoding after a `prompt`-token prefill; nobody drains the rings
+  (they hold a run), the mailbox is in GPU memory (`device`) or host-mapped (`host`)."""
+  from flax import nnx
+
+  from blink_jax import ffi as F
+  from blink_jax import protocol as P
+  from blink_jax.config import get_config, tiny_config
+  from blink_jax.executor import Executor
+  from blink_jax.model import Gemma
+  cfg = tiny_config("gemma3") if config == "tiny" else get_config(config)
+  model = Gemma(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  ctx = prompt + ring + 16
+  geo = P.Geometry(max(2 * batch, 8), prompt, ring, 0)
+  box = _Mailbox(geo, cfg.vocab_size, ctx, batch, prompt, where)
+  sched = F.SchedConfig.build(
+      mailbox=box.address, num_slots=geo.num_slots, max_prompt=prompt, ring_capacity=ring,
+      max_top_logprobs=0, vocab_size=cfg.vocab_size, max_seqs=batch, max_context=ctx,
+      page_size=16, num_pages=batch * (-(-ctx // 16)) + 8, buckets=(1, 8, 64, 256),
+      eos_ids=(), idle_poll_us=0)
+  ex = Executor(model, sched, max_top_logprobs=0)
+
+  def body(c):
+    i, inputs, carry = c
+    return i + 1, inputs, ex._step_fn(inputs, carry)
+  return body, (ex.inputs, ex.initial_carry()), box
+
+
 def variant(name: str):
   """(body over (i, *rest), rest, keepalive, index in rest of the scheduler state or None).
 
@@ -131,6 +190,11 @@ def variant(name: str):
   if name.startswith("model-"):
     config, batch = name[len("model-"):].rsplit("-b", 1)
     return (*_model_loop(config, int(batch)), None)
+  if name.startswith("engine"):  # engine-<config>-b<batch> (GPU-memory mailbox), enginehost-..
+    kind, rest = name.split("-", 1)
+    config, batch = rest.rsplit("-b", 1)
+    return (*_engine_loop(config, int(batch), "host" if kind == "enginehost" else "device"),
+            None)
   raise ValueError(f"unknown variant {name!r}")
 
 
@@ -164,7 +228,7 @@ def measure(name: str, levels: list[int], iters: int, repeats: int,
             dump_hlo: str | None = None) -> list[dict]:
   from blink_jax.executor import capture_stderr, command_buffer_report
   body, rest, keep, state_at = variant(name)
-  if "model-" in name:  # a model step takes milliseconds, not microseconds
+  if "model-" in name or name.startswith("engine"):  # a model step takes milliseconds
     iters = max(iters // 100, 20)
   n = jnp.int32(iters)
   run = jax.jit(lambda rest: lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(0), *rest)))
@@ -179,7 +243,7 @@ def measure(name: str, levels: list[int], iters: int, repeats: int,
     with open(os.path.join(dump_hlo, f"{name}.txt"), "w") as f:
       f.write(hlo)
   copies = sum(1 for l in hlo.splitlines() if re.search(r"= \S+ copy(-start)?\(", l))
-  jax.block_until_ready(run(rest))  # warm
+  jax.block_until_ready(run(rest))  # XLA's op-by-op first execution, then the CUDA graph
   from blink_jax import ffi as F
   cuda = F.cuda_library()
   unaliased = int(cuda.blink_cuda_unaliased_calls()) if cuda is not None else None
@@ -191,6 +255,9 @@ def measure(name: str, levels: list[int], iters: int, repeats: int,
         time.sleep(1.0)
       per, kernel = [], []
       for _ in range(repeats):
+        for k in keep if isinstance(keep, list) else [keep]:
+          if hasattr(k, "reset"):
+            k.reset()
         t = time.perf_counter()
         out = jax.block_until_ready(run(rest))
         per.append((time.perf_counter() - t) / iters * 1e6)

@@ -40,3 +40,19 @@ def test_cond_wrapper_takes_the_body_branch():
   i, x = body((jnp.int32(3), *rest))
   np.testing.assert_allclose(x, rest[0] * 1.0001)
   assert int(i) == 4
+
+
+def test_engine_probe_serves_its_requests():
+  """The engine-step probe really prefills and decodes the requests in its mailbox."""
+  import jax
+  from jax import lax
+
+  from blink_jax import mailbox as M
+  body, rest, box, _ = D.variant("enginehost-tiny-b2")
+  out = jax.jit(lambda r: lax.while_loop(lambda c: c[0] < 12, body, (jnp.int32(0), *r)))(rest)
+  jax.block_until_ready(out)
+  h = M.read_header(box.host)
+  assert int(h["running"]) == 2 and int(h["steps"]) == 12
+  assert int(h["tokens_generated"]) >= 2 + 2  # a first token per prefill, then decodes
+  box.reset()
+  assert int(M.read_header(box.host)["tokens_generated"]) == 0
