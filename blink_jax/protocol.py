@@ -71,11 +71,12 @@ HEADER_DTYPE = np.dtype({
         "loop_iterations", "steps", "tokens_generated", "prompt_tokens", "requests_admitted",
         "requests_finished", "requests_errored", "requests_cancelled", "preemptions",
         "pages_in_use", "pages_total", "running", "waiting", "last_step_tokens",
+        "schedule_ns", "commit_ns",
     ],
     "formats": ["<u8"] + ["<u4"] * 8 + ["<u8"] + ["<u4"] * 6 + [("<u8", (MAX_WORKERS,))]
-               + ["<u8"] * 14,
+               + ["<u8"] * 16,
     "offsets": [0, 8, 12, 16, 20, 24, 28, 32, 36, 40, 48, 52, 56, 60, 64, 68, 128]
-               + [640 + 8 * i for i in range(14)],
+               + [640 + 8 * i for i in range(16)],
     "itemsize": HEADER_BYTES,
 })
 

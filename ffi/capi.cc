@@ -87,6 +87,8 @@ const char* blink_mailbox_layout() {
   F(BlinkMailboxHeader, "header", pages_in_use) F(BlinkMailboxHeader, "header", pages_total)
   F(BlinkMailboxHeader, "header", running) F(BlinkMailboxHeader, "header", waiting)
   F(BlinkMailboxHeader, "header", last_step_tokens)
+  F(BlinkMailboxHeader, "header", schedule_ns)
+  F(BlinkMailboxHeader, "header", commit_ns)
   F(BlinkSlotRequest, "request", seq) F(BlinkSlotRequest, "request", cancel)
   F(BlinkSlotRequest, "request", consumed) F(BlinkSlotRequest, "request", prompt_len)
   F(BlinkSlotRequest, "request", request_id) F(BlinkSlotRequest, "request", seed)

@@ -121,7 +121,9 @@ struct BlinkMailboxHeader {
   uint64_t running;             // requests holding a lane
   uint64_t waiting;             // requests queued for a lane
   uint64_t last_step_tokens;
-  uint8_t pad1[BLINK_HEADER_BYTES - 640 - 14 * 8];
+  uint64_t schedule_ns;         // device time spent in the scheduler kernels (CUDA only):
+  uint64_t commit_ns;           // with loop_iterations, what a step costs outside the model
+  uint8_t pad1[BLINK_HEADER_BYTES - 640 - 16 * 8];
 };
 
 struct BlinkSlotRequest {

@@ -596,6 +596,8 @@ struct BlinkSched {
     blink_store<uint64_t>(&h->pages_total, uint64_t(c.num_pages));
     blink_store<uint64_t>(&h->running, uint64_t(s(S_ORDER_COUNT)));
     blink_store<uint64_t>(&h->waiting, uint64_t(s(S_Q_TAIL) - s(S_Q_HEAD)));
+    blink_store<uint64_t>(&h->schedule_ns, counter(C_SCHEDULE_NS));
+    blink_store<uint64_t>(&h->commit_ns, counter(C_COMMIT_NS));
   }
 
   // With nothing to run, polls the doorbells for up to idle_poll_us before returning an empty

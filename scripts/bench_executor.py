@@ -152,9 +152,12 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
     eng.client.release(s)
   # Loop iterations and model steps per generated token: more iterations than steps means
   # the loop idled (nothing runnable) between steps.
-  delta = {k: int(h1[k]) - int(h0[k]) for k in ("loop_iterations", "steps", "tokens_generated")}
+  delta = {k: int(h1[k]) - int(h0[k]) for k in ("loop_iterations", "steps", "tokens_generated",
+                                                 "schedule_ns", "commit_ns")}
   per_tok = max(delta["tokens_generated"], 1) / batch
+  iters = max(delta["loop_iterations"], 1)
   return {"batch": batch, "interference": interference,
+          "sched_kernel_us_per_iteration": (delta["schedule_ns"] + delta["commit_ns"]) / iters / 1e3,
           "iterations_per_token": delta["loop_iterations"] / per_tok,
           "steps_per_token": delta["steps"] / per_tok,
           **C.percentile_stats(clock.intervals_ms(), "tpot_ms"),
@@ -200,7 +203,7 @@ def main(argv):
         r[k.replace("tpot_ms", "ratio")] = r[k] / quiet[k]
   print(C.table(rows, ["mode", "batch", "interference", "tpot_ms_p50", "tpot_ms_p90",
                        "tpot_ms_p99", "device_tpot_ms_p50", "device_tpot_ms_p99", "ratio_p50",
-                       "ratio_p99", "iterations_per_token", "steps_per_token"]))
+                       "ratio_p99", "iterations_per_token", "sched_kernel_us_per_iteration"]))
   C.write_result(FLAGS.out, "executor_latency", rows,
                  {"config": FLAGS.config, "dtype": FLAGS.dtype, "prompt": FLAGS.prompt,
                   "tokens": FLAGS.tokens, "modes": reports, "cpus": len(cpus),
