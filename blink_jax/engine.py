@@ -155,7 +155,8 @@ class Engine:
                buckets: Sequence[int] | None = None, mode: str = "persistent",
                idle_poll_us: int = 200, region: Any = None, model_name: str = "model",
                tokenizer_path: str | None = None, eos_ids: Sequence[int] | None = None,
-               device: Any = None, frontend_workers: int = 0, fused_step: bool = False):
+               device: Any = None, frontend_workers: int = 0, fused_step: bool = False,
+               warm_up: bool | None = None):
     import jax
 
     from blink_jax import executor as X
@@ -220,10 +221,17 @@ class Engine:
              model.dtype, self.device, mode, max_seqs, kv_pages, page_size, list(buckets))
     carry = self.executor.initial_carry()
     self.compiled = self.executor.compile(carry, mode)
-    if mode == "persistent":  # before READY: no frontend sees the shutdown word it sets
-      carry = self.executor.warm_up(carry, self.compiled, self._write_shutdown)
-
     self.client = M.MailboxClient(self.region, frontend_workers, self.mailbox_workers)
+    # Before READY (no frontend submits yet): XLA's first execution of the loop runs op by op;
+    # on a GPU it serves a warm-up workload that takes every bucket branch (see warm_up).
+    if warm_up if warm_up is not None else on_gpu:
+      t0 = time.perf_counter()
+      carry = self.executor.warm_up(carry, self.compiled, mode, self._write_shutdown,
+                                    self._warm_up_workload)
+      log.info("warm-up workload over buckets %s in %.1f s", list(self.sched.buckets),
+               time.perf_counter() - t0)
+    elif mode == "persistent":
+      carry = self.executor.warm_up(carry, self.compiled, mode, self._write_shutdown)
     self._lock = threading.Lock()
     self._slot_free = threading.Condition(self._lock)
     self._active: dict[int, _Tracked] = {}
@@ -279,6 +287,35 @@ class Engine:
   def _set_engine_state(self, s: P.EngineState) -> None:
     off = P.HEADER_DTYPE.fields["engine_state"][1]
     self.region.write(off, int(s).to_bytes(4, "little"))
+
+  def _warm_up_workload(self, loop_alive) -> None:
+    """Requests that make the loop take every bucket branch once: `b` one-token prompts
+    decoding together for each bucket b <= max_seqs, one b-token prompt (a prefill step of b
+    rows) for each larger bucket. Runs during the warm-up execution, in the engine's slots."""
+    s, client = self.sched, self.client
+    rng = np.random.default_rng(0)
+    vocab = self.model_cfg.vocab_size
+    longest = min(self.geo.max_prompt, self.max_context - 2, (s.num_pages - 1) * s.page_size - 2)
+    for b in s.buckets:
+      if b <= min(s.max_seqs, len(client.slots)):
+        waves = [M.Request(prompt=[int(rng.integers(3, vocab))], max_tokens=4, ignore_eos=True)
+                 for _ in range(b)]
+      elif b <= longest:
+        waves = [M.Request(prompt=[int(t) for t in rng.integers(3, vocab, b)], max_tokens=1,
+                           ignore_eos=True)]
+      else:
+        log.warning("warm-up cannot reach bucket %d (longest prompt %d)", b, longest)
+        continue
+      slots = [client.submit(r) for r in waves]
+      deadline = time.monotonic() + 600
+      while not all(client.poll(sl).finished for sl in slots):
+        if not loop_alive():
+          raise RuntimeError("the serving loop stopped during its warm-up")
+        if time.monotonic() > deadline:
+          raise TimeoutError(f"warm-up requests for bucket {b} did not finish in 600 s")
+        time.sleep(0.002)
+      for sl in slots:
+        client.release(sl)
 
   def _write_shutdown(self, on: bool) -> None:
     off = P.HEADER_DTYPE.fields["shutdown"][1]

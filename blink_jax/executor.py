@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 
 import jax
@@ -222,22 +223,45 @@ class Executor:
              time.perf_counter() - t0)
     return compiled
 
-  def warm_up(self, carry: Carry, compiled, set_shutdown) -> Carry:
-    """Runs the persistent loop once with the shutdown word set (`set_shutdown(True)`), so it
-    exits after one schedule, and returns the carry for the real run.
+  def warm_up(self, carry: Carry, compiled, mode: str, set_shutdown, workload=None) -> Carry:
+    """Runs the serving loop once before serving and returns the carry for the real run.
 
-    XLA executes a command buffer op by op the first time it runs (its warm-up), with the
-    host driving every iteration of the while loop; only later executions launch the CUDA
-    graph. A serving loop executes once, so without this run it would stay host-driven."""
-    set_shutdown(True)
-    try:
-      with capture_stderr() as log_text:
-        carry = self.run_persistent(carry, compiled)
-    finally:
-      set_shutdown(False)
+    XLA executes a command buffer op by op the first time it runs (its warm-up: the host
+    drives every iteration of the while loop) and only launches the CUDA graph from the
+    second execution on; a serving loop executes once, so without this run it would stay
+    host-driven. `workload()` runs while this first execution does (it submits requests that
+    take every bucket branch, so each model branch runs op by op once, as the probes that
+    stayed immune to CPU interference did); then `set_shutdown(True)` ends it. Without a
+    workload the loop exits at its first schedule."""
+    run = self.run_persistent if mode == "persistent" else self.run_host
+    out: dict = {}
+
+    def first_execution():
+      try:
+        out["carry"] = run(carry, compiled)
+      except BaseException as e:  # re-raised below, in the caller's thread
+        out["error"] = e
+
+    with capture_stderr() as log_text:
+      try:
+        if workload is None:
+          set_shutdown(True)
+          first_execution()
+        else:
+          t = threading.Thread(target=first_execution, name="blink-warm-up", daemon=True)
+          t.start()
+          try:
+            workload(lambda: t.is_alive())
+          finally:
+            set_shutdown(True)
+            t.join()
+      finally:
+        set_shutdown(False)
+    if "error" in out:
+      raise out["error"]
     if "Executing warm up iteration" in log_text():
       self.loop_report = dict(self.loop_report, warm_up="XLA ran its op-by-op warm-up execution")
-    return dataclasses.replace(carry, shutdown=jnp.zeros_like(carry.shutdown))
+    return dataclasses.replace(out["carry"], shutdown=jnp.zeros_like(out["carry"].shutdown))
 
   def run_persistent(self, carry: Carry, compiled=None) -> Carry:
     """Runs until the shutdown word is set; returns the final carry."""

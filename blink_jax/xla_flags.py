@@ -17,12 +17,13 @@ COMMAND_TYPES = os.environ.get(
 # DYNAMIC_SLICE_FUSION: XLA wraps a custom call whose operands are slices (e.g. a scheduler
 # call fed `words[:n]`) in a dynamic-slice fusion; without this type the whole enclosing while
 # loop stays host-driven.
-# Host mode compiles its step with these instead: no DYNAMIC_SLICE_FUSION, so the step is not
-# one big graph that XLA re-records on every call (measured on the H200: 8.6 ms per 1B-shape
-# token at batch 1 with it, 4.4 ms without).
-HOST_COMMAND_TYPES = os.environ.get(
-    "BLINK_HOST_COMMAND_BUFFER_TYPES", "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,WHILE,CONDITIONAL")
-VMODULES = ("command_buffer_conversion_pass=2", "command_buffer_thunk=2")
+# Host mode compiles its step with these instead: no WHILE, CONDITIONAL or
+# DYNAMIC_SLICE_FUSION, so each bucket branch of the step is its own CUDA graph, run op by op
+# the first time it is taken (the warm-up workload takes every branch) and launched as a
+# graph afterwards, like the per-batch-size graphs of vLLM. (With DYNAMIC_SLICE_FUSION the
+# whole step was one graph and a 1B-shape token took 8.6 ms at batch 1 instead of 4.4 ms.)
+HOST_COMMAND_TYPES = os.environ.get("BLINK_HOST_COMMAND_BUFFER_TYPES",
+                                    "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL")
 COMMAND_BUFFER_FLAGS = (
     f"--xla_gpu_enable_command_buffer={COMMAND_TYPES}",
     "--xla_gpu_graph_min_graph_size=1",

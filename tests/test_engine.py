@@ -197,9 +197,31 @@ def test_warm_up_run_leaves_the_loop_serving(engine):
   """The persistent loop ran once with the shutdown word set (XLA's warm-up execution); the
   word is clear again and the real run has iterated since."""
   from blink_jax import mailbox as M
+  import time
   h = M.read_header(engine.region)
   assert int(h["shutdown"]) == 0 and engine.running
-  assert int(h["loop_iterations"]) >= 2
+  deadline = time.monotonic() + 30
+  while int(M.read_header(engine.region)["loop_iterations"]) < 2:
+    assert time.monotonic() < deadline, "the loop did not iterate after its warm-up run"
+    time.sleep(0.01)
+
+
+@pytest.mark.parametrize("mode", ["persistent", "host"])
+def test_warm_up_workload_takes_every_bucket_then_serves(model, dense, mode):
+  """The GPU warm-up (here forced on CPU): one-token prompts decoding together for the
+  buckets up to max_seqs, one prompt as long as each larger bucket; afterwards nothing is
+  left running and the engine answers like the dense model."""
+  p = [5, 6, 7, 8]
+  want = dense(p, 5)  # before the engine holds an XLA CPU thread (docs/NOTES.md, finding 13)
+  with Engine(model, None, mode=mode, warm_up=True, **ENGINE_KW) as eng:
+    s = eng.stats()
+    small = [b for b in ENGINE_KW["buckets"] if b <= ENGINE_KW["max_seqs"]]
+    large = [b for b in ENGINE_KW["buckets"] if b > ENGINE_KW["max_seqs"]]
+    assert s["requests_admitted"] == s["requests_finished"] == sum(small) + len(large)
+    assert s["prompt_tokens"] >= sum(small) + sum(large)
+    assert s["pages_in_use"] == 0 and s["running"] == 0 and s["waiting"] == 0
+    assert eng.generate(prompt_token_ids=p, sampling=SamplingParams(max_tokens=5)).token_ids \
+        == want
 
 
 def test_host_mode_equals_persistent(model, dense):
