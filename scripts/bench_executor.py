@@ -34,6 +34,9 @@ flags.DEFINE_integer("page_size", 16, "KV page size")
 flags.DEFINE_list("buckets", ["1", "8", "64", "256"], "token buckets")
 flags.DEFINE_string("out", "bench/results/executor_latency.json", "JSON result file")
 flags.DEFINE_bool("fused", False, "one scheduler call per step (blink_step)")
+flags.DEFINE_enum("warm_up", "workload", ["workload", "shutdown"],
+                  "before serving, run every bucket branch once (workload) or only one "
+                  "schedule (shutdown) in XLA's op-by-op first execution (docs/NOTES.md, 16)")
 
 def _clock_main(shm_name: str, geo: P.Geometry, slot: int, cpu: int | None, ready, stop, conn):
   """The frontend process: timestamps every new output entry of one slot and drains every
@@ -90,6 +93,10 @@ class TokenClock:
     """Per-token latency: time between consecutive tokens (one new entry each), as the
     frontend saw them or (device=True) by the GPU's clock when each token was written."""
     st = [(c, ns * 1e-9 if device else t) for c, t, ns in self.stamps if c > 0]
+    # The slot may still show the count of its previous request (e.g. one of the engine's
+    # warm-up requests) until the new one starts: keep what follows the last reset.
+    resets = [i for i in range(1, len(st)) if st[i][0] < st[i - 1][0]]
+    st = st[resets[-1]:] if resets else st
     out = [(t1 - t0) * 1e3 / (c1 - c0) for (c0, t0), (c1, t1) in zip(st, st[1:]) if c1 > c0]
     return np.asarray(out[skip:])
 
@@ -115,6 +122,7 @@ def build_engine(mode: str, max_seqs: int):
                region=region,
                max_context=ctx, num_slots=max(2 * max_seqs, 8), ring_capacity=64,
                max_top_logprobs=0, buckets=buckets, idle_poll_us=50, fused_step=FLAGS.fused,
+               warm_up=FLAGS.warm_up == "workload",
                kv_pages=max_seqs * (-(-ctx // FLAGS.page_size)) + 8)
   eng.shm = shm
   return eng, cfg
@@ -207,7 +215,7 @@ def main(argv):
   C.write_result(FLAGS.out, "executor_latency", rows,
                  {"config": FLAGS.config, "dtype": FLAGS.dtype, "prompt": FLAGS.prompt,
                   "tokens": FLAGS.tokens, "modes": reports, "cpus": len(cpus),
-                  "fused_step": FLAGS.fused})
+                  "fused_step": FLAGS.fused, "warm_up": FLAGS.warm_up})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA handlers, run the GPU tests, run the benchmarks.
-# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|hf|serving|step|all]...
+# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hf|serving|step|all]...
 # Results: bench/results/*.json (commit them) and copies plus logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -97,6 +97,16 @@ if has fused; then
     --out bench/results/executor_latency_fused_h200.json 2>&1 | grep -v "^[IW]1" | tail -8 \
     | tee -a "$OUT/log.txt"
   cp bench/results/executor_latency_fused_h200.json "$OUT/" 2>/dev/null
+fi
+if has warmup; then
+  log "engine per-token latency: warm-up workload vs shutdown-only warm-up (finding 16)"
+  for w in workload shutdown; do
+    timeout ${EXEC_TIMEOUT:-200} python3 scripts/bench_executor.py --modes persistent \
+      --warm_up $w --config gemma3-1b --batches 1,64 --prompt 1024 --tokens 128 \
+      --out bench/results/executor_latency_warmup_${w}_h200.json 2>&1 | grep -v "^[IW]1" \
+      | tail -6 | tee -a "$OUT/log.txt"
+    cp bench/results/executor_latency_warmup_${w}_h200.json "$OUT/" 2>/dev/null
+  done
 fi
 if has hf; then
   log "HF transformers single-stream reference (Gemma 3 1B shape, random weights)"

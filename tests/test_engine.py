@@ -224,6 +224,24 @@ def test_warm_up_workload_takes_every_bucket_then_serves(model, dense, mode):
         == want
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_compiled_loop_never_copies_the_kv_cache(kv_heads):
+  """The loop updates the cache in place. With a [.., K, h] cache and K == 1 (the Gemma 3
+  270M and 1B shapes) XLA re-laid-out every layer's whole cache around the bucket branches,
+  i.e. copied it every step."""
+  import re
+
+  from flax import nnx
+  cfg = tiny_config("gemma3", vocab_size=VOCAB, num_kv_heads=kv_heads)
+  model = Gemma(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+  with Engine(model, None, **ENGINE_KW) as eng:
+    hlo = eng.compiled.as_text()
+    pages = eng.sched.num_pages
+  cache = rf"f32\[{pages},{ENGINE_KW['page_size']},{kv_heads * cfg.head_dim}\]"
+  copies = [l for l in hlo.splitlines() if re.search(rf"= {cache}\S* copy\(", l)]
+  assert not copies, copies[:3]
+
+
 def test_host_mode_equals_persistent(model, dense):
   with Engine(model, None, mode="host", **ENGINE_KW) as eng:
     prompts = [[3, 4, 5], [6] * 20]
