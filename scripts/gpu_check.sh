@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA handlers, run the GPU tests, run the benchmarks.
-# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hf|serving|step|all]...
+# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hlo|hf|serving|step|all]...
 # Results: bench/results/*.json (commit them) and copies plus logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -107,6 +107,12 @@ if has warmup; then
       | tail -6 | tee -a "$OUT/log.txt"
     cp bench/results/executor_latency_warmup_${w}_h200.json "$OUT/" 2>/dev/null
   done
+fi
+if has hlo; then
+  log "copies in the compiled 1B-shape serving loop (a whole-cache copy per step is a bug)"
+  timeout 300 python3 scripts/dump_engine_hlo.py --config gemma3-1b --out "$OUT/loop_hlo_1b.txt" \
+    2>&1 | grep -E "copy instructions|KV cache|loop report" | tee -a "$OUT/log.txt"
+  gzip -f "$OUT/loop_hlo_1b.txt"
 fi
 if has hf; then
   log "HF transformers single-stream reference (Gemma 3 1B shape, random weights)"
