@@ -57,58 +57,46 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
 
 
 def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                              k_step: jax.Array, v_step: jax.Array, page_table: jax.Array,
-                              seq_ids: jax.Array, positions: jax.Array, *, window: int | None,
-                              softcap: float | None, scale: float) -> jax.Array:
-  """Attention of each token q [T, H, h] over its own sequence: the cached keys before the
-  sequence's first row in this step (read from the pages, which this step has not written)
-  and this step's rows k_step, v_step [T, K, h] of the same sequence up to its position.
+                              page_table: jax.Array, seq_ids: jax.Array, positions: jax.Array,
+                              *, window: int | None, softcap: float | None,
+                              scale: float) -> jax.Array:
+  """Attention of each token q [T, H, h] over its own sequence's cached keys.
 
-  Token t attends to positions p <= positions[t] and, when `window` is set,
-  positions[t] - p < window (HF Gemma's sliding window: the token itself plus window - 1
-  earlier ones). The pages are only read, so a caller can write the step's K/V afterwards
-  (`write_kv`) outside any branch that selects the step's shape: XLA then updates the cache
-  in place instead of copying it through the branch. Logits and softmax are float32; returns
-  [T, H, h] in q's dtype.
+  Token t attends to the keys of sequence `seq_ids[t]` at positions p with
+  p <= positions[t] and, when `window` is set, positions[t] - p < window (HF Gemma's sliding
+  window: the token itself plus window - 1 earlier ones). The K/V of the current step must
+  already be written (see `write_kv`). Logits and softmax are float32; returns [T, H, h] in
+  q's dtype.
   """
   page_table, seq_ids, positions = map(jnp.asarray, (page_table, seq_ids, positions))
   _, num_heads, head_dim = q.shape
   page_size = k_pages.shape[1]
-  num_kv_heads = k_step.shape[1]
+  num_kv_heads = k_pages.shape[2] // head_dim  # heads side by side: [P, page_size, K * h]
   group = num_heads // num_kv_heads
   seq_len = page_table.shape[1] * page_size
   key_pos = jnp.arange(seq_len, dtype=jnp.int32)
-  # Step rows of the same sequence; the first of them is where the cached keys end.
-  same = (seq_ids[:, None] == seq_ids[None, :]) & (seq_ids[None, :] >= 0)
-  start = jnp.min(jnp.where(same, positions[None, :], jnp.iinfo(jnp.int32).max), axis=1)
-  step_mask = same & (positions[None, :] <= positions[:, None])
-  if window is not None:
-    step_mask &= positions[:, None] - positions[None, :] < window
 
   def one_token(args):
-    q_t, seq_id, pos, first, mask_step = args
+    q_t, seq_id, pos = args
     pages = page_table[jnp.maximum(seq_id, 0)]  # [max_pages]
-    # Entries past the cached length may be garbage: clip them; they are masked below.
+    # Entries past the sequence's length may be garbage: clip them; they are masked below.
     k = jnp.take(k_pages, pages, axis=0, mode="clip").reshape(seq_len, num_kv_heads, head_dim)
     v = jnp.take(v_pages, pages, axis=0, mode="clip").reshape(seq_len, num_kv_heads, head_dim)
     q_t = q_t.reshape(num_kv_heads, group, head_dim)  # query head n uses kv head n // group
-    cached = jnp.einsum("kgh,lkh->kgl", q_t, k, preferred_element_type=jnp.float32)
-    step = jnp.einsum("kgh,lkh->kgl", q_t, k_step, preferred_element_type=jnp.float32)
-    logits = apply_softcap(jnp.concatenate([cached, step], axis=-1) * scale, softcap)
-    mask = key_pos < first
+    logits = jnp.einsum("kgh,lkh->kgl", q_t, k, preferred_element_type=jnp.float32) * scale
+    logits = apply_softcap(logits, softcap)
+    mask = key_pos <= pos
     if window is not None:
       mask &= pos - key_pos < window
-    logits = jnp.where(jnp.concatenate([mask, mask_step]), logits, MASK_VALUE)
+    logits = jnp.where(mask, logits, MASK_VALUE)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = (jnp.einsum("kgl,lkh->kgh", probs[..., :seq_len], v)
-           + jnp.einsum("kgl,lkh->kgh", probs[..., seq_len:], v_step.astype(v.dtype)))
+    out = jnp.einsum("kgl,lkh->kgh", probs, v)
     return out.reshape(num_heads, head_dim).astype(q.dtype)
 
   # Static blocks of TOKEN_BLOCK tokens bound the gathered K/V copies. Not lax.map: its scan
   # zero-fills an output buffer (a memset), which keeps XLA from capturing the serving loop
   # in a CUDA graph.
   outs = [jax.vmap(one_token)((q[i:i + TOKEN_BLOCK], seq_ids[i:i + TOKEN_BLOCK],
-                               positions[i:i + TOKEN_BLOCK], start[i:i + TOKEN_BLOCK],
-                               step_mask[i:i + TOKEN_BLOCK]))
+                               positions[i:i + TOKEN_BLOCK]))
           for i in range(0, q.shape[0], TOKEN_BLOCK)]
   return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)

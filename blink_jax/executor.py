@@ -28,7 +28,7 @@ from jax import lax
 
 from blink_jax import batch as B
 from blink_jax import ffi as F
-from blink_jax.model import Gemma, init_kv_cache, write_rows
+from blink_jax.model import Gemma, init_kv_cache
 from blink_jax.sampling import sample, top_n
 
 log = logging.getLogger("blink_jax.executor")
@@ -108,12 +108,6 @@ class Executor:
                                  np.zeros((n, k), np.int32), np.zeros((n, k), np.float32),
                                  np.zeros((r,), np.float32), np.zeros((r, k), np.int32),
                                  np.zeros((r, k), np.float32)), self.device)
-    # What an empty step "writes" into the KV cache: zero rows at sequence -1 (dropped).
-    cfg, dt = model.cfg, model.dtype
-    rows_shape = (cfg.num_layers, r, cfg.num_kv_heads, cfg.head_dim)
-    self.no_rows = jax.device_put((np.zeros(rows_shape, dt), np.zeros(rows_shape, dt),
-                                   np.full((r,), -1, np.int32), np.zeros((r,), np.int32)),
-                                  self.device)
     self.fused_step = fused_step
     step_fn = self._fused_step_fn if fused_step else self._step_fn
     self._step = jax.jit(step_fn, donate_argnums=(1,))
@@ -122,8 +116,8 @@ class Executor:
 
   @property
   def inputs(self):
-    """The loop's read-only inputs: weights, the zero outputs and the empty KV rows."""
-    return (self.params, self.zeros, self.no_rows)
+    """The loop's read-only inputs: weights and the zero outputs."""
+    return (self.params, self.zeros)
 
   # ---- state ----
   def initial_carry(self) -> Carry:
@@ -143,12 +137,10 @@ class Executor:
     samples = min(rows, s.max_seqs)
 
     def run(params, words, page_table, kv):
-      params, zeros, _ = params
+      params, zeros = params
       model = nnx.merge(self.graphdef, params)
       b = B.split(words, s.token_budget, s.max_seqs, rows, samples)
-      # The cache is only read here; the step's K/V rows go out and are written after the
-      # switch, so no branch result has to share the cache's buffer.
-      hidden, kv_rows = model.forward_rows(b.tokens, b.positions, b.seq_ids, page_table, kv)
+      hidden, kv = model.forward(b.tokens, b.positions, b.seq_ids, page_table, kv)
       h = hidden[jnp.clip(b.rows, 0, rows - 1)]
       logits = model.logits(h)
       f32 = lambda bits: lax.bitcast_convert_type(bits, jnp.float32)
@@ -159,12 +151,9 @@ class Executor:
       pad = s.max_seqs - samples
       rlp, rid, rtl = self._prompt_logprobs(model, hidden, b.targets, zeros[4:], rows)
       rpad = s.token_budget - rows
-      row_pad = lambda x: jnp.pad(jnp.stack(x), ((0, 0), (0, rpad), (0, 0), (0, 0)))
       return (jnp.pad(tok, (0, pad)), jnp.pad(lp, (0, pad)), jnp.pad(tid, ((0, pad), (0, 0))),
               jnp.pad(tlp, ((0, pad), (0, 0))), jnp.pad(rlp, (0, rpad)),
-              jnp.pad(rid, ((0, rpad), (0, 0))), jnp.pad(rtl, ((0, rpad), (0, 0))),
-              row_pad([k for k, _ in kv_rows]), row_pad([v for _, v in kv_rows]),
-              jnp.pad(b.seq_ids, (0, rpad), constant_values=-1), jnp.pad(b.positions, (0, rpad)))
+              jnp.pad(rid, ((0, rpad), (0, 0))), jnp.pad(rtl, ((0, rpad), (0, 0))), kv)
 
     return run
 
@@ -185,22 +174,13 @@ class Executor:
                     lambda: (zeros[0][:rows], zeros[1][:rows], zeros[2][:rows]))
 
   def _empty_branch(self, params, words, page_table, kv):
-    return (*params[1], *params[2])
-
-  def _run_bucket(self, params, words, page_table, kv):
-    """The model on the step's bucket (`lax.switch`), then its K/V rows written into the
-    cache in place -> (sampled outputs..., kv)."""
-    s = self.sched
-    branches = [self._empty_branch] + [self._bucket_branch(r) for r in s.buckets]
-    *outs, k_rows, v_rows, seq_ids, positions = lax.switch(words[B.BUCKET] + 1, branches,
-                                                          params, words, page_table, kv)
-    kv = write_rows(kv, list(zip(k_rows, v_rows)), page_table, seq_ids, positions)
-    return (*outs, kv)
+    return (*params[1], kv)
 
   def _step_fn(self, params, c: Carry) -> Carry:
     s = self.sched
     state, history, page_table, words = schedule_call(s, c.state, c.history, c.page_table)
-    *outs, kv = self._run_bucket(params, words, page_table, c.kv)
+    branches = [self._empty_branch] + [self._bucket_branch(r) for r in s.buckets]
+    *outs, kv = lax.switch(words[B.BUCKET] + 1, branches, params, words, page_table, c.kv)
     state, history = commit_call(s, state, history, page_table, words, *outs)
     return Carry(state, history, page_table, kv, words[B.SHUTDOWN], words)
 
@@ -213,7 +193,8 @@ class Executor:
   def _fused_step_fn(self, params, c: Carry) -> Carry:
     """Runs the model on the scheduled batch, then commits it and schedules the next."""
     s = self.sched
-    *outs, kv = self._run_bucket(params, c.words, c.page_table, c.kv)
+    branches = [self._empty_branch] + [self._bucket_branch(r) for r in s.buckets]
+    *outs, kv = lax.switch(c.words[B.BUCKET] + 1, branches, params, c.words, c.page_table, c.kv)
     state, history, page_table, words = step_call(s, c.state, c.history, c.page_table,
                                                   c.words, *outs)
     return Carry(state, history, page_table, kv, words[B.SHUTDOWN], words)

@@ -25,7 +25,6 @@ from blink_jax.attention import MASK_VALUE, apply_softcap, paged_attention_refer
 from blink_jax.config import ModelConfig
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k_pages, v_pages) [P, page, K * h]
-KVRows = list[tuple[jax.Array, jax.Array]]  # per layer a step's (k, v) rows [T, K, h]
 AttentionFn = Callable[..., jax.Array]  # the signature of paged_attention_reference
 
 
@@ -193,37 +192,26 @@ class Gemma(nnx.Module):
     x = jnp.take(self.embed[...], tokens, axis=0, mode="clip").astype(self.dtype)
     return x * jnp.asarray(math.sqrt(self.cfg.d_model), self.dtype)
 
-  def forward_rows(self, tokens: jax.Array, positions: jax.Array, seq_ids: jax.Array,
-                   page_table: jax.Array, kv_cache: KVCache,
-                   attention_fn: AttentionFn | None = None) -> tuple[jax.Array, KVRows]:
-    """One ragged paged step that only reads the caches: tokens/positions/seq_ids [T] int32,
-    page_table [S, max_pages] (docs/CONTRACTS.md). Each token attends to its sequence's
-    cached keys and to this step's rows of the same sequence.
-
-    Returns the final hidden states [T, D] (before the final norm; see `logits`) and per
-    layer the step's (k, v) rows [T, K, h], which `write_kv` stores. The serving loop writes
-    them after its bucket switch: the branches only read the cache, so XLA never has to give
-    a branch result the cache's buffer. `attention_fn` defaults to
-    `paged_attention_reference`.
-    """
-    attention_fn = paged_attention_reference if attention_fn is None else attention_fn
-    x = self.embed_tokens(tokens)
-    rows = []
-    for layer, (k_pages, v_pages) in zip(self.layers, kv_cache, strict=True):
-      q, k, v = layer.qkv(x, positions)
-      attn = attention_fn(q, k_pages, v_pages, k, v, page_table, seq_ids, positions,
-                          **layer.attn.attention_kwargs())
-      x = layer.finish(x, attn)
-      rows.append((k, v))
-    return x, rows
-
   def forward(self, tokens: jax.Array, positions: jax.Array, seq_ids: jax.Array,
               page_table: jax.Array, kv_cache: KVCache,
               attention_fn: AttentionFn | None = None) -> tuple[jax.Array, KVCache]:
-    """`forward_rows`, then every token's K/V written into the caches: returns the hidden
-    states and the new caches."""
-    x, rows = self.forward_rows(tokens, positions, seq_ids, page_table, kv_cache, attention_fn)
-    return x, write_rows(kv_cache, rows, page_table, seq_ids, positions)
+    """One ragged paged step (docs/CONTRACTS.md): tokens/positions/seq_ids [T] int32,
+    page_table [S, max_pages]. Every token writes its K/V, then attends to its sequence.
+
+    Returns the final hidden states [T, D] (before the final norm; see `logits`) and the new
+    caches. `attention_fn` defaults to `paged_attention_reference`.
+    """
+    attention_fn = paged_attention_reference if attention_fn is None else attention_fn
+    x = self.embed_tokens(tokens)
+    new_cache = []
+    for layer, (k_pages, v_pages) in zip(self.layers, kv_cache, strict=True):
+      q, k, v = layer.qkv(x, positions)
+      k_pages, v_pages = write_kv(k_pages, v_pages, k, v, page_table, seq_ids, positions)
+      attn = attention_fn(q, k_pages, v_pages, page_table, seq_ids, positions,
+                          **layer.attn.attention_kwargs())
+      x = layer.finish(x, attn)
+      new_cache.append((k_pages, v_pages))
+    return x, new_cache
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """hidden [..., D] -> float32 logits [..., V]: final norm, tied head, final softcap."""
@@ -259,13 +247,6 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | N
   probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgqs,bskh->bqkgh", probs, v)
   return out.reshape(b, length, num_heads, head_dim)
-
-
-def write_rows(kv_cache: KVCache, rows: KVRows, page_table: jax.Array, seq_ids: jax.Array,
-               positions: jax.Array) -> KVCache:
-  """Stores each layer's step rows (see `Gemma.forward_rows`) at their sequence positions."""
-  return [write_kv(kp, vp, k, v, page_table, seq_ids, positions)
-          for (kp, vp), (k, v) in zip(kv_cache, rows, strict=True)]
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int,

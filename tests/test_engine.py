@@ -224,11 +224,14 @@ def test_warm_up_workload_takes_every_bucket_then_serves(model, dense, mode):
         == want
 
 
+@pytest.mark.xfail(strict=True, reason="XLA's CPU backend still copies every layer's cache in "
+                   "one bucket branch (in the 270M loop: bucket 1, whose one-row write becomes a "
+                   "dynamic-update-slice); docs/NOTES.md, finding 17")
 @pytest.mark.parametrize("kv_heads", [1, 2])
 def test_compiled_loop_never_copies_the_kv_cache(kv_heads):
-  """The loop updates the cache in place. With a [.., K, h] cache and K == 1 (the Gemma 3
-  270M and 1B shapes) XLA re-laid-out every layer's whole cache around the bucket branches,
-  i.e. copied it every step."""
+  """The loop should update the cache in place. (With a [.., K, h] cache and K == 1, the
+  Gemma 3 270M and 1B shapes, XLA also re-laid-out the whole cache around every branch:
+  the [.., K * h] storage removed those copies.)"""
   import re
 
   from flax import nnx
