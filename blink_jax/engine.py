@@ -225,11 +225,12 @@ class Engine:
     # Before READY (no frontend submits yet): XLA's first execution of the loop runs op by op;
     # on a GPU it serves a warm-up workload that takes every bucket branch (see warm_up).
     if warm_up if warm_up is not None else on_gpu:
+      log.info("warm-up: every bucket branch %s once in XLA's op-by-op first execution",
+               list(self.sched.buckets))
       t0 = time.perf_counter()
       carry = self.executor.warm_up(carry, self.compiled, mode, self._write_shutdown,
                                     self._warm_up_workload)
-      log.info("warm-up workload over buckets %s in %.1f s", list(self.sched.buckets),
-               time.perf_counter() - t0)
+      log.info("warm-up done in %.1f s", time.perf_counter() - t0)
     elif mode == "persistent":
       carry = self.executor.warm_up(carry, self.compiled, mode, self._write_shutdown)
     self._lock = threading.Lock()

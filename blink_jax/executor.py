@@ -229,10 +229,10 @@ class Executor:
     XLA executes a command buffer op by op the first time it runs (its warm-up: the host
     drives every iteration of the while loop) and only launches the CUDA graph from the
     second execution on; a serving loop executes once, so without this run it would stay
-    host-driven. `workload()` runs while this first execution does (it submits requests that
-    take every bucket branch, so each model branch runs op by op once, as the probes that
-    stayed immune to CPU interference did); then `set_shutdown(True)` ends it. Without a
-    workload the loop exits at its first schedule."""
+    host-driven. `workload(loop_alive)` runs while this first execution does (it submits
+    requests that take every bucket branch, so each model branch runs op by op once, as in
+    the probes that stayed immune to CPU interference); then `set_shutdown(True)` ends it.
+    Without a workload the loop exits at its first schedule."""
     run = self.run_persistent if mode == "persistent" else self.run_host
     out: dict = {}
 
