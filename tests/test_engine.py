@@ -1,14 +1,18 @@
 """Engine API and executor on CPU with a tiny random Gemma 3 (float32)."""
 from __future__ import annotations
 
+import re
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from blink_jax import Engine, EngineStoppedError, SamplingParams
+from blink_jax import mailbox as M
 from blink_jax.config import tiny_config
 from blink_jax.model import Gemma
 from blink_jax.tokenizer import Tokenizer
@@ -24,7 +28,7 @@ VOCAB = 320  # the tiny tokenizer's
 @pytest.fixture(scope="module")
 def model():
   return Gemma(tiny_config("gemma3", vocab_size=VOCAB), dtype=jnp.float32,
-               rngs=__import__("flax").nnx.Rngs(8))  # a seed whose greedy text is printable
+               rngs=nnx.Rngs(8))  # a seed whose greedy text is printable
 
 
 @pytest.fixture(scope="module")
@@ -196,8 +200,6 @@ def test_stats_after_work(engine):
 def test_warm_up_run_leaves_the_loop_serving(engine):
   """The persistent loop ran once with the shutdown word set (XLA's warm-up execution); the
   word is clear again and the real run has iterated since."""
-  from blink_jax import mailbox as M
-  import time
   h = M.read_header(engine.region)
   assert int(h["shutdown"]) == 0 and engine.running
   deadline = time.monotonic() + 30
@@ -232,9 +234,6 @@ def test_compiled_loop_never_copies_the_kv_cache(kv_heads):
   """The loop should update the cache in place. (With a [.., K, h] cache and K == 1, the
   Gemma 3 270M and 1B shapes, XLA also re-laid-out the whole cache around every branch:
   the [.., K * h] storage removed those copies.)"""
-  import re
-
-  from flax import nnx
   cfg = tiny_config("gemma3", vocab_size=VOCAB, num_kv_heads=kv_heads)
   model = Gemma(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
   with Engine(model, None, **ENGINE_KW) as eng:
