@@ -24,6 +24,9 @@ COMMAND_TYPES = os.environ.get(
 # whole step was one graph and a 1B-shape token took 8.6 ms at batch 1 instead of 4.4 ms.)
 HOST_COMMAND_TYPES = os.environ.get("BLINK_HOST_COMMAND_BUFFER_TYPES",
                                     "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL")
+# XLA log lines the executor reads: which thunks became command buffers, and the op-by-op
+# warm-up execution of a command buffer.
+VMODULES = ("command_buffer_conversion_pass=2", "command_buffer_thunk=2")
 COMMAND_BUFFER_FLAGS = (
     f"--xla_gpu_enable_command_buffer={COMMAND_TYPES}",
     "--xla_gpu_graph_min_graph_size=1",
@@ -54,14 +57,15 @@ def configure_command_buffers() -> bool:
     return False
   current = os.environ.get("XLA_FLAGS", "")
   missing = [f for f in COMMAND_BUFFER_FLAGS if f.split("=")[0] not in current]
-  if not missing:
-    return True
   if backend_started():
+    if not missing:
+      return True
     log.warning("JAX's backend is already running: the command-buffer flags cannot take "
                 "effect and the loop will be driven by the host. Create the Engine before "
                 "any other JAX work, or set XLA_FLAGS=%s", " ".join(COMMAND_BUFFER_FLAGS))
     return False
-  os.environ["XLA_FLAGS"] = " ".join([current, *missing]).strip()
+  if missing:
+    os.environ["XLA_FLAGS"] = " ".join([current, *missing]).strip()
   # XLA logs which thunks it puts into command buffers at this verbosity; the executor reads
   # those lines while compiling to report whether the serving loop became a device WHILE.
   # (Only effective when set before jaxlib loads, i.e. before `import jax`.)

@@ -1,0 +1,41 @@
+"""xla_flags: the GPU path of the flag setup runs on CPU too (with the plugin check faked)."""
+from blink_jax import xla_flags
+
+
+def _configure(monkeypatch, xla_flags_env="", vmodule=None):
+  monkeypatch.setattr(xla_flags, "cuda_plugin_installed", lambda: True)
+  monkeypatch.setattr(xla_flags, "backend_started", lambda: False)
+  monkeypatch.delenv("BLINK_NO_COMMAND_BUFFERS", raising=False)
+  monkeypatch.setenv("XLA_FLAGS", xla_flags_env)
+  if vmodule is None:
+    monkeypatch.delenv("TF_CPP_VMODULE", raising=False)
+  else:
+    monkeypatch.setenv("TF_CPP_VMODULE", vmodule)
+  return xla_flags.configure_command_buffers()
+
+
+def test_gpu_configuration_sets_command_buffer_flags_and_log_modules(monkeypatch):
+  import os
+  assert _configure(monkeypatch, "--xla_foo=1")
+  flags = os.environ["XLA_FLAGS"].split()
+  assert flags[0] == "--xla_foo=1"
+  assert set(xla_flags.COMMAND_BUFFER_FLAGS) <= set(flags)
+  assert "WHILE" in xla_flags.COMMAND_TYPES and "CONDITIONAL" in xla_flags.COMMAND_TYPES
+  assert os.environ["TF_CPP_VMODULE"].split(",") == list(xla_flags.VMODULES)
+
+
+def test_gpu_configuration_keeps_the_users_settings(monkeypatch):
+  import os
+  mine = "--xla_gpu_enable_command_buffer=FUSION --xla_gpu_graph_min_graph_size=5"
+  assert _configure(monkeypatch, mine, vmodule="command_buffer_thunk=1,foo=3")
+  assert os.environ["XLA_FLAGS"] == mine
+  assert os.environ["TF_CPP_VMODULE"] == "command_buffer_thunk=1,foo=3,command_buffer_conversion_pass=2"
+
+
+def test_no_command_buffers_when_the_backend_already_runs(monkeypatch):
+  import os
+  monkeypatch.setattr(xla_flags, "cuda_plugin_installed", lambda: True)
+  monkeypatch.setattr(xla_flags, "backend_started", lambda: True)
+  monkeypatch.setenv("XLA_FLAGS", "")
+  assert not xla_flags.configure_command_buffers()
+  assert os.environ["XLA_FLAGS"] == ""
