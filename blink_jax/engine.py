@@ -244,7 +244,10 @@ class Engine:
     self._poll_thread = threading.Thread(target=self._poll, name="blink-poll", daemon=True)
     self._set_engine_state(P.EngineState.READY)
     _LIVE_ENGINES.add(self)
-    self._loop_thread.start()
+    if on_gpu and mode == "persistent":
+      self._start_loop_checked()
+    else:
+      self._loop_thread.start()
     self._poll_thread.start()
     self.loop_report = self.executor.loop_report
     log.info("serving loop on the device: %s", self.loop_report)
@@ -317,6 +320,29 @@ class Engine:
         time.sleep(0.002)
       for sl in slots:
         client.release(sl)
+
+  def _start_loop_checked(self, timeout: float = 2.0) -> None:
+    """Starts the serving run and records whether XLA launched it as a CUDA graph: XLA logs
+    its op-by-op execution when the run starts (it then drives every iteration from the
+    host); that happens if a new XLA executable was created after the warm-up, since XLA
+    then evicts every CUDA graph of the process."""
+    from blink_jax import executor as X
+    with X.capture_stderr() as log_text:
+      start = int(M.read_header(self.region)["loop_iterations"])
+      self._loop_thread.start()
+      deadline = time.monotonic() + timeout
+      while (int(M.read_header(self.region)["loop_iterations"]) < start + 2
+             and time.monotonic() < deadline and self._loop_thread.is_alive()):
+        time.sleep(0.005)
+    op_by_op = X.XLA_OP_BY_OP_LINE in log_text()
+    self.executor.loop_report = dict(
+        self.executor.loop_report,
+        serving_run="op by op, driven by the host (XLA re-ran its warm-up execution)"
+        if op_by_op else "CUDA graph")
+    if op_by_op:
+      log.warning("XLA runs the serving loop op by op, driven by the host: a JAX program was "
+                  "compiled after the warm-up (XLA then evicts its CUDA graphs). Compile other "
+                  "programs before creating the Engine.")
 
   def _write_shutdown(self, on: bool) -> None:
     off = P.HEADER_DTYPE.fields["shutdown"][1]

@@ -234,6 +234,9 @@ class Executor:
     the probes that stayed immune to CPU interference); then `set_shutdown(True)` ends it.
     Without a workload the loop exits at its first schedule."""
     run = self.run_persistent if mode == "persistent" else self.run_host
+    # Made now, not after the run: creating any new XLA executable (even this zeros_like)
+    # evicts every CUDA graph XLA holds, and the serving run would be a first execution again.
+    running = jnp.zeros_like(carry.shutdown)
     out: dict = {}
 
     def first_execution():
@@ -259,9 +262,9 @@ class Executor:
         set_shutdown(False)
     if "error" in out:
       raise out["error"]
-    if "Executing warm up iteration" in log_text():
+    if XLA_OP_BY_OP_LINE in log_text():
       self.loop_report = dict(self.loop_report, warm_up="XLA ran its op-by-op warm-up execution")
-    return dataclasses.replace(out["carry"], shutdown=jnp.zeros_like(out["carry"].shutdown))
+    return dataclasses.replace(out["carry"], shutdown=running)
 
   def run_persistent(self, carry: Carry, compiled=None) -> Carry:
     """Runs until the shutdown word is set; returns the final carry."""
@@ -281,6 +284,12 @@ class Executor:
         return carry
       if on_step is not None:
         on_step(carry)
+
+
+# What XLA logs (command_buffer_thunk at verbosity 2) when it executes a command buffer op by
+# op: its first execution, or the first after XLA evicted its CUDA graphs, which it does for
+# every executable in the process whenever a new executable is created.
+XLA_OP_BY_OP_LINE = "Executing warm up iteration of command buffer thunk"
 
 
 @contextlib.contextmanager

@@ -40,11 +40,12 @@ def test_gpu_tokens_equal_cpu_tokens(mode, fused):
       outs[dev.platform] = eng.generate(prompt_token_ids=prompts, sampling=sp)
       if dev.platform == "gpu" and mode == "persistent":
         print("loop report:", eng.loop_report)
-        # XLA's op-by-op first execution happened before serving (the warm-up workload), so
-        # the serving run is the CUDA graph with its device-side WHILE.
+        # XLA's op-by-op first execution happened before serving (the warm-up), and nothing
+        # evicted the graph since, so the serving run is the CUDA graph with its WHILE node.
         # (Evidence comes from XLA's log: device_while is None when that log is off.)
         if eng.loop_report.get("device_while") is not None:
           assert eng.loop_report["device_while"] and eng.loop_report.get("warm_up")
+          assert eng.loop_report["serving_run"] == "CUDA graph"
       assert eng.stats()["pages_in_use"] == 0
   for c, g in zip(outs["cpu"], outs["gpu"]):
     assert c.token_ids == g.token_ids
