@@ -40,7 +40,7 @@ for shape in $SHAPES; do
       kill -0 $srv 2>/dev/null || break
       sleep 1
     done
-    grep -E "loop on device|engine up" "$OUT/serve_${shape}_${mode}.log" | tail -2
+    grep -E "serving loop on the device|op by op|engine up" "$OUT/serve_${shape}_${mode}.log" | tail -2
     for p in $(pgrep -f "nic_frontend.worker.*--port $port"); do taskset -pc $FRONT "$p" >/dev/null; done
     bench "${shape}_${mode}_quiet" "$port" 0 "$FRONT"
     bench "${shape}_${mode}_int${INT}" "$port" "$INT" "$FRONT"

@@ -1,5 +1,6 @@
-"""Writes the optimized HLO of the engine's persistent loop (random weights) to a file, and
-lists the copy instructions inside the loop body: each becomes a memcpy node of the CUDA graph.
+"""Writes the optimized HLO of the engine's persistent loop (random weights) to a file, lists
+the copy instructions inside the loop body (each becomes a memcpy node of the CUDA graph) and
+counts the kernels of each bucket branch (scripts/hlo_kernels.py).
 
   python scripts/dump_engine_hlo.py --config gemma3-270m --out /tmp/loop_hlo.txt
 """
@@ -10,6 +11,7 @@ import re
 from absl import app, flags
 
 from blink_jax import xla_flags
+from hlo_kernels import switch_branches
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "gemma3-270m", "model config name, or 'tiny'")
@@ -40,6 +42,11 @@ def main(argv):
   print(f"{len(cache)} of them copy a whole layer's KV cache [{kv_shape}] (should be 0)")
   for l in copies[:40]:
     print("  ", l)
+  names = ["empty"] + [f"bucket {b}" for b in eng.sched.buckets]
+  for pick in (min, max):
+    for name, (_, count) in zip(names, switch_branches(text, pick)):
+      top = ", ".join(f"{k} {v}" for k, v in count.most_common(6))
+      print(f"kernels ({pick.__name__} path) {name}: {sum(count.values())} ({top})")
 
 
 if __name__ == "__main__":

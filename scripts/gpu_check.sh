@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA handlers, run the GPU tests, run the benchmarks.
-# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hlo|hf|serving|step|all]...
+# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hlo|dotsr|hf|serving|step|all]...
 # Results: bench/results/*.json (commit them) and copies plus logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -111,8 +111,18 @@ fi
 if has hlo; then
   log "copies in the compiled 1B-shape serving loop (a whole-cache copy per step is a bug)"
   timeout 300 python3 scripts/dump_engine_hlo.py --config gemma3-1b --out "$OUT/loop_hlo_1b.txt" \
-    2>&1 | grep -E "copy instructions|KV cache|loop report" | tee -a "$OUT/log.txt"
+    2>&1 | grep -E "copy instructions|KV cache|loop report|^kernels" | tee -a "$OUT/log.txt"
   gzip -f "$OUT/loop_hlo_1b.txt"
+fi
+if has dotsr; then
+  log "batch-1 model step with XLA's dot strength reduction off (M=1 dots become multiply + reduce, finding 18)"
+  timeout 240 python3 scripts/diag_loop_overhead.py --iters 20000 --repeats 3 --interference 0 \
+    --variants model-gemma3-1b-b1,model-gemma3-1b-b8 --out bench/results/dotsr_on_h200.json 2>&1 \
+    | grep -v "^[IW]1" | tail -4 | tee -a "$OUT/log.txt"
+  timeout 240 python3 scripts/diag_loop_overhead.py --iters 20000 --repeats 3 --interference 0 \
+    --variants model-gemma3-1b-b1,model-gemma3-1b-b8 --xla_extra=--xla_gpu_enable_dot_strength_reduction=false \
+    --out bench/results/dotsr_off_h200.json 2>&1 | grep -v "^[IW]1" | tail -4 | tee -a "$OUT/log.txt"
+  cp bench/results/dotsr_*_h200.json "$OUT/" 2>/dev/null
 fi
 if has hf; then
   log "HF transformers single-stream reference (Gemma 3 1B shape, random weights)"

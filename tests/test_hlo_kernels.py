@@ -1,0 +1,60 @@
+"""scripts/hlo_kernels.py: kernel counts per bucket branch of a compiled loop."""
+import jax.numpy as jnp
+from flax import nnx
+
+from blink_jax import Engine
+from blink_jax.config import tiny_config
+from blink_jax.model import Gemma
+from scripts import hlo_kernels as H
+
+HLO = """
+%small (p: f32[2]) -> f32[2] {
+  %p = f32[2]{0} parameter(0)
+  ROOT %f = f32[2]{0} fusion(%p), kind=kLoop, calls=%fused_a
+}
+
+%big (p: f32[2]) -> f32[2] {
+  %p = f32[2]{0} parameter(0)
+  %f1 = f32[2]{0} fusion(%p), kind=kLoop, calls=%fused_b
+  %f2 = f32[2]{0} fusion(%f1), kind=kCustom, calls=%gemm_fusion_dot.1_computation
+  ROOT %c = f32[2]{0} custom-call(%f2), custom_call_target="blink_commit"
+}
+
+%branch_1 (p: f32[2]) -> f32[2] {
+  %p = f32[2]{0} parameter(0)
+  %i = pred[] constant(true)
+  %n = f32[2]{0} conditional(%i, %p, %p), true_computation=%big, false_computation=%small
+  ROOT %r = f32[2]{0} fusion(%n), kind=kInput, calls=%fused_reduce
+}
+
+%branch_0 (p: f32[2]) -> f32[2] {
+  ROOT %p = f32[2]{0} parameter(0)
+}
+
+ENTRY %main (p: f32[2], i: s32[]) -> f32[2] {
+  %p = f32[2]{0} parameter(0)
+  %i = s32[] parameter(1)
+  ROOT %s = f32[2]{0} conditional(%i, %p, %p), branch_computations={%branch_0, %branch_1}
+}
+"""
+
+
+def test_nested_conditionals_count_their_smallest_or_largest_branch():
+  (b0, k0), (b1, k1) = H.switch_branches(HLO)
+  assert (b0, b1) == ("branch_0", "branch_1")
+  assert sum(k0.values()) == 0
+  assert k1 == {"fusion kInput": 1, "fusion kLoop": 1}
+  (_, big), = H.switch_branches(HLO, max)[1:]
+  assert big == {"fusion kInput": 1, "fusion kLoop": 1, "gemm fusion": 1,
+                 "custom-call blink_commit": 1}
+
+
+def test_engine_loop_has_a_branch_per_bucket_and_an_empty_one():
+  cfg = tiny_config("gemma3", vocab_size=256)
+  model = Gemma(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+  with Engine(model, None, max_seqs=4, page_size=4, max_context=64, buckets=(4, 16)) as eng:
+    branches = H.switch_branches(eng.compiled.as_text())
+  assert len(branches) == 3
+  empty, *buckets = [sum(k.values()) for _, k in branches]
+  # Each bucket runs every layer (at least one kernel per layer); the empty step nearly nothing.
+  assert all(n >= cfg.num_layers for n in buckets) and empty < min(buckets)
