@@ -84,10 +84,7 @@ class Attention(nnx.Module):
 
   def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [..., D] -> q [..., H, h], k, v [..., K, h]; q and k normed (Gemma 3) and rotated."""
-    dtype = x.dtype
-    q = jnp.einsum("...d,dnh->...nh", x, self.q[...].astype(dtype))
-    k = jnp.einsum("...d,dnh->...nh", x, self.k[...].astype(dtype))
-    v = jnp.einsum("...d,dnh->...nh", x, self.v[...].astype(dtype))
+    q, k, v = (_project(x, w[...].astype(x.dtype)) for w in (self.q, self.k, self.v))
     if self.use_qk_norm:
       q = rms_norm(q, self.q_norm[...], self.eps)
       k = rms_norm(k, self.k_norm[...], self.eps)
@@ -97,7 +94,18 @@ class Attention(nnx.Module):
 
   def out(self, attn: jax.Array) -> jax.Array:
     """attn [..., H, h] -> [..., D]."""
-    return jnp.einsum("...nh,nhd->...d", attn, self.o[...].astype(attn.dtype))
+    n, h, d = self.o.shape
+    flat = attn.reshape(*attn.shape[:-2], n * h)
+    return flat @ self.o[...].astype(attn.dtype).reshape(n * h, d)
+
+
+def _project(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x [..., D] @ w [D, N, h] -> [..., N, h], as one 2-D matmul. At one row XLA's GPU backend
+  compiled the 3-D einsum to a multiply that wrote the whole weight-sized product, then a
+  reduce, while the MLP's 2-D matmuls became single fused reductions (docs/NOTES.md,
+  finding 18)."""
+  d, n, h = w.shape
+  return (x @ w.reshape(d, n * h)).reshape(*x.shape[:-1], n, h)
 
 
 class MLP(nnx.Module):
