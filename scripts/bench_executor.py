@@ -89,16 +89,18 @@ class TokenClock:
     self.stamps = self.recv.recv()
     self.proc.join()
 
-  def intervals_ms(self, skip: int = 2, device: bool = False) -> np.ndarray:
-    """Per-token latency: time between consecutive tokens (one new entry each), as the
-    frontend saw them or (device=True) by the GPU's clock when each token was written."""
+  def intervals_ms(self, from_count: int = 1, device: bool = False) -> np.ndarray:
+    """Per-token latency: time between consecutive tokens (one new entry each) from output
+    entry `from_count` on, as the frontend saw them or (device=True) by the GPU's clock when
+    each token was written."""
     st = [(c, ns * 1e-9 if device else t) for c, t, ns in self.stamps if c > 0]
     # The slot may still show the count of its previous request (e.g. one of the engine's
     # warm-up requests) until the new one starts: keep what follows the last reset.
     resets = [i for i in range(1, len(st)) if st[i][0] < st[i - 1][0]]
     st = st[resets[-1]:] if resets else st
+    st = [(c, t) for c, t in st if c >= max(from_count, 1)]
     out = [(t1 - t0) * 1e3 / (c1 - c0) for (c0, t0), (c1, t1) in zip(st, st[1:]) if c1 > c0]
-    return np.asarray(out[skip:])
+    return np.asarray(out)
 
 
 def build_engine(mode: str, max_seqs: int):
@@ -145,7 +147,18 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
     assert slots[-1] == watched
     h0 = M.read_header(eng.region)
     t0 = time.perf_counter()
-    while any(not eng.client.poll(s).finished for s in slots):
+    # Per-token latency at batch b is measured once all b requests decode: until then some
+    # steps also carry another request's prompt chunk (FCFS admission follows the slot scan,
+    # so the watched request may start decoding before the last prefill is done).
+    got, steady_from = dict.fromkeys(slots, 0), None
+    while True:
+      outs = {s: eng.client.poll(s) for s in slots}
+      for s, o in outs.items():
+        got[s] += len(o.tokens)
+      if steady_from is None and all(n > 0 for n in got.values()):
+        steady_from = got[watched]
+      if all(o.finished for o in outs.values()):
+        break
       time.sleep(0.001)
       if time.perf_counter() - t0 > 300:
         raise TimeoutError("requests did not finish")
@@ -168,8 +181,9 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
           "sched_kernel_us_per_iteration": (delta["schedule_ns"] + delta["commit_ns"]) / iters / 1e3,
           "iterations_per_token": delta["loop_iterations"] / per_tok,
           "steps_per_token": delta["steps"] / per_tok,
-          **C.percentile_stats(clock.intervals_ms(), "tpot_ms"),
-          **C.percentile_stats(clock.intervals_ms(device=True), "device_tpot_ms")}
+          "steady_from_token": steady_from,
+          **C.percentile_stats(clock.intervals_ms(steady_from), "tpot_ms"),
+          **C.percentile_stats(clock.intervals_ms(steady_from, device=True), "device_tpot_ms")}
 
 
 def main(argv):

@@ -1,0 +1,51 @@
+"""scripts/bench_executor.py: the per-token clock and a CPU run of the whole benchmark."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from scripts import bench_executor as BE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _clock(stamps):
+  clock = BE.TokenClock.__new__(BE.TokenClock)  # no process: stamps given
+  clock.stamps = stamps
+  return clock
+
+
+def test_intervals_start_at_the_given_entry_and_divide_by_the_entries_seen():
+  # (count, frontend seconds, device ns); count 5 arrived two entries at once.
+  stamps = [(0, 0.0, 0), (1, 1.0, 1_000_000_000), (2, 1.002, 1_002_000_000),
+            (3, 1.004, 1_004_000_000), (5, 1.010, 1_010_000_000)]
+  np.testing.assert_allclose(_clock(stamps).intervals_ms(), [2.0, 2.0, 3.0])
+  np.testing.assert_allclose(_clock(stamps).intervals_ms(3), [3.0])
+  np.testing.assert_allclose(_clock(stamps).intervals_ms(2, device=True), [2.0, 3.0])
+
+
+def test_intervals_ignore_the_previous_request_of_the_slot():
+  stamps = [(7, 0.5, 0), (8, 0.6, 0), (1, 1.0, 0), (2, 1.001, 0), (3, 1.003, 0)]
+  np.testing.assert_allclose(_clock(stamps).intervals_ms(), [1.0, 2.0])
+
+
+def test_cpu_run_writes_rows_for_every_mode_and_batch(tmp_path):
+  out = tmp_path / "ex.json"
+  subprocess.run([sys.executable, "scripts/bench_executor.py", "--config", "tiny", "--dtype",
+                  "float32", "--batches", "1,2", "--prompt", "16", "--tokens", "48",
+                  "--interference", "0", "--modes", "persistent,host", "--out", str(out)],
+                 cwd=ROOT, check=True, capture_output=True, timeout=600)
+  res = json.loads(out.read_text())
+  rows = res["results"]
+  assert [(r["mode"], r["batch"]) for r in rows] == [
+      ("persistent", 1), ("persistent", 2), ("host", 1), ("host", 2)]
+  for r in rows:
+    assert r["steady_from_token"] >= 1
+    assert 0 < r.get("tpot_ms_n", 0) <= 48 - r["steady_from_token"]
+    assert 0 < r["tpot_ms_p50"] <= r["tpot_ms_p99"]
+    assert r["iterations_per_token"] > 0.9 and r["steps_per_token"] > 0.9  # header lags a step
+  assert res["modes"]["persistent"]["loop_report"]["device_while"] is False  # CPU
