@@ -148,8 +148,8 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
     h0 = M.read_header(eng.region)
     t0 = time.perf_counter()
     # Per-token latency at batch b is measured once all b requests decode: until then some
-    # steps also carry another request's prompt chunk (FCFS admission follows the slot scan,
-    # so the watched request may start decoding before the last prefill is done).
+    # steps also carry another request's prompt chunk (requests that arrive between two
+    # scans queue in slot order, so the watched one may decode before the last prefill).
     got, steady_from = dict.fromkeys(slots, 0), None
     while True:
       outs = {s: eng.client.poll(s) for s in slots}
