@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA handlers, run the GPU tests, run the benchmarks.
-# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hlo|dotsr|hf|serving|step|all]...
+# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hlo|dotsr|hostdiag|hf|serving|step|all]...
 # Results: bench/results/*.json (commit them) and copies plus logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -123,6 +123,17 @@ if has dotsr; then
     --variants model-gemma3-1b-b1,model-gemma3-1b-b8 --xla_extra=--xla_gpu_enable_dot_strength_reduction=false \
     --out bench/results/dotsr_off_h200.json 2>&1 | grep -v "^[IW]1" | tail -4 | tee -a "$OUT/log.txt"
   cp bench/results/dotsr_*_h200.json "$OUT/" 2>/dev/null
+fi
+if has hostdiag; then
+  log "host mode: what XLA does per step (host mode's batch-1 token is ~3x the bare step)"
+  TF_CPP_VMODULE=command_buffer_conversion_pass=2,command_buffer_thunk=3,conditional_thunk=3 \
+    timeout 200 python3 scripts/bench_executor.py --modes host --batches 1 --interference 0 \
+    --prompt 256 --tokens 64 --out "$OUT/hostdiag.json" > "$OUT/vlog_host.txt" 2>&1
+  grep -v "^[IW]1" "$OUT/vlog_host.txt" | tail -3 | tee -a "$OUT/log.txt"
+  for p in "Executing warm up iteration" "Update command buffer" "Evict" "Execute command buffer"; do
+    echo "$p: $(grep -c "$p" "$OUT/vlog_host.txt")" | tee -a "$OUT/log.txt"
+  done
+  gzip -f "$OUT/vlog_host.txt"
 fi
 if has hf; then
   log "HF transformers single-stream reference (Gemma 3 1B shape, random weights)"
