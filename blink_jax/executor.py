@@ -110,9 +110,13 @@ class Executor:
                                  np.zeros((r, k), np.float32)), self.device)
     self.fused_step = fused_step
     step_fn = self._fused_step_fn if fused_step else self._step_fn
-    self._step = jax.jit(step_fn, donate_argnums=(1,))
-    self._prime = jax.jit(self._prime_fn, donate_argnums=(0,))
-    self._loop = jax.jit(self._loop_fn, donate_argnums=(1,))
+    # keep_unused: a carry field a step does not read (the split step's words and shutdown)
+    # would be pruned from its inputs, and its output would get a fresh buffer every step; a
+    # CUDA graph that touches a moved buffer is re-recorded before it runs. Kept, every carry
+    # output aliases its donated input and the addresses stay put.
+    self._step = jax.jit(step_fn, donate_argnums=(1,), keep_unused=True)
+    self._prime = jax.jit(self._prime_fn, donate_argnums=(0,), keep_unused=True)
+    self._loop = jax.jit(self._loop_fn, donate_argnums=(1,), keep_unused=True)
 
   @property
   def inputs(self):
