@@ -1,4 +1,4 @@
-"""scripts/bench_executor.py: the per-token clock and a CPU run of the whole benchmark."""
+"""scripts/bench_executor.py and its per-token clock (scripts/token_clock.py)."""
 from __future__ import annotations
 
 import json
@@ -8,13 +8,13 @@ from pathlib import Path
 
 import numpy as np
 
-from scripts import bench_executor as BE
+from scripts.token_clock import TokenClock
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _clock(stamps):
-  clock = BE.TokenClock.__new__(BE.TokenClock)  # no process: stamps given
+  clock = TokenClock.__new__(TokenClock)  # no process: stamps given
   clock.stamps = stamps
   return clock
 
