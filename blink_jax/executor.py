@@ -233,10 +233,11 @@ class Executor:
     XLA executes a command buffer op by op the first time it runs (its warm-up: the host
     drives every iteration of the while loop) and only launches the CUDA graph from the
     second execution on; a serving loop executes once, so without this run it would stay
-    host-driven. `workload(loop_alive)` runs while this first execution does (it submits
-    requests that take every bucket branch, so each model branch runs op by op once, as in
-    the probes that stayed immune to CPU interference); then `set_shutdown(True)` ends it.
-    Without a workload the loop exits at its first schedule."""
+    host-driven. `workload(loop_alive)` runs while this first execution does (requests that
+    take every bucket branch: host mode graphs each branch on its own, and each graph's
+    first run is op by op too); then `set_shutdown(True)` ends it. Without a workload the
+    loop exits at its first schedule, which is all the persistent loop needs (measured:
+    docs/NOTES.md, finding 16). Nothing may be compiled between this run and serving."""
     run = self.run_persistent if mode == "persistent" else self.run_host
     # Made now, not after the run: creating any new XLA executable (even this zeros_like)
     # evicts every CUDA graph XLA holds, and the serving run would be a first execution again.
