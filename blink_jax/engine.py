@@ -224,15 +224,14 @@ class Engine:
     self.client = M.MailboxClient(self.region, frontend_workers, self.mailbox_workers)
     # Before READY (no frontend submits yet): XLA's first execution of the loop runs op by op;
     # on a GPU it serves a warm-up workload that takes every bucket branch (see warm_up).
-    if warm_up if warm_up is not None else on_gpu:
-      log.info("warm-up: every bucket branch %s once in XLA's op-by-op first execution",
-               list(self.sched.buckets))
+    workload = self._warm_up_workload if (on_gpu if warm_up is None else warm_up) else None
+    if workload or mode == "persistent":
+      log.info("warm-up: %s in XLA's op-by-op first execution",
+               f"every bucket branch {list(self.sched.buckets)} once" if workload else
+               "one empty step")
       t0 = time.perf_counter()
-      carry = self.executor.warm_up(carry, self.compiled, mode, self._write_shutdown,
-                                    self._warm_up_workload)
+      carry = self.executor.warm_up(carry, self.compiled, mode, self._write_shutdown, workload)
       log.info("warm-up done in %.1f s", time.perf_counter() - t0)
-    elif mode == "persistent":
-      carry = self.executor.warm_up(carry, self.compiled, mode, self._write_shutdown)
     self._lock = threading.Lock()
     self._slot_free = threading.Condition(self._lock)
     self._active: dict[int, _Tracked] = {}
@@ -288,9 +287,12 @@ class Engine:
                tokenizer_path=tokenizer_path or str(path / "tokenizer.model"), **kw)
 
   # ---- lifecycle ----
+  def _write_header_word(self, field: str, value: int) -> None:
+    off = P.HEADER_DTYPE.fields[field][1]
+    self.region.write(off, int(value).to_bytes(4, "little"))
+
   def _set_engine_state(self, s: P.EngineState) -> None:
-    off = P.HEADER_DTYPE.fields["engine_state"][1]
-    self.region.write(off, int(s).to_bytes(4, "little"))
+    self._write_header_word("engine_state", s)
 
   def _warm_up_workload(self, loop_alive) -> None:
     """Requests that make the loop take every bucket branch once: `b` one-token prompts
@@ -345,8 +347,7 @@ class Engine:
                   "programs before creating the Engine.")
 
   def _write_shutdown(self, on: bool) -> None:
-    off = P.HEADER_DTYPE.fields["shutdown"][1]
-    self.region.write(off, int(on).to_bytes(4, "little"))
+    self._write_header_word("shutdown", on)
 
   def _run_loop(self, carry) -> None:
     try:

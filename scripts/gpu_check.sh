@@ -116,12 +116,12 @@ if has hlo; then
 fi
 if has dotsr; then
   log "batch-1 model step with XLA's dot strength reduction off (M=1 dots become multiply + reduce, finding 18)"
-  timeout 240 python3 scripts/diag_loop_overhead.py --iters 20000 --repeats 3 --interference 0 \
-    --variants model-gemma3-1b-b1,model-gemma3-1b-b8 --out bench/results/dotsr_on_h200.json 2>&1 \
-    | grep -v "^[IW]1" | tail -4 | tee -a "$OUT/log.txt"
-  timeout 240 python3 scripts/diag_loop_overhead.py --iters 20000 --repeats 3 --interference 0 \
-    --variants model-gemma3-1b-b1,model-gemma3-1b-b8 --xla_extra=--xla_gpu_enable_dot_strength_reduction=false \
-    --out bench/results/dotsr_off_h200.json 2>&1 | grep -v "^[IW]1" | tail -4 | tee -a "$OUT/log.txt"
+  for sr in true false; do
+    timeout 240 python3 scripts/diag_loop_overhead.py --iters 20000 --repeats 3 --interference 0 \
+      --variants model-gemma3-1b-b1,model-gemma3-1b-b8 \
+      --xla_extra=--xla_gpu_enable_dot_strength_reduction=$sr \
+      --out bench/results/dotsr_${sr}_h200.json 2>&1 | grep -v "^[IW]1" | tail -4 | tee -a "$OUT/log.txt"
+  done
   cp bench/results/dotsr_*_h200.json "$OUT/" 2>/dev/null
 fi
 if has hostdiag; then

@@ -1,4 +1,6 @@
 """xla_flags: the GPU path of the flag setup runs on CPU too (with the plugin check faked)."""
+import os
+
 from blink_jax import xla_flags
 
 
@@ -15,7 +17,6 @@ def _configure(monkeypatch, xla_flags_env="", vmodule=None):
 
 
 def test_gpu_configuration_sets_command_buffer_flags_and_log_modules(monkeypatch):
-  import os
   assert _configure(monkeypatch, "--xla_foo=1")
   flags = os.environ["XLA_FLAGS"].split()
   assert flags[0] == "--xla_foo=1"
@@ -25,7 +26,6 @@ def test_gpu_configuration_sets_command_buffer_flags_and_log_modules(monkeypatch
 
 
 def test_gpu_configuration_keeps_the_users_settings(monkeypatch):
-  import os
   mine = "--xla_gpu_enable_command_buffer=FUSION --xla_gpu_graph_min_graph_size=5"
   assert _configure(monkeypatch, mine, vmodule="command_buffer_thunk=1,foo=3")
   assert os.environ["XLA_FLAGS"] == mine
@@ -33,7 +33,6 @@ def test_gpu_configuration_keeps_the_users_settings(monkeypatch):
 
 
 def test_no_command_buffers_when_the_backend_already_runs(monkeypatch):
-  import os
   monkeypatch.setattr(xla_flags, "cuda_plugin_installed", lambda: True)
   monkeypatch.setattr(xla_flags, "backend_started", lambda: True)
   monkeypatch.setenv("XLA_FLAGS", "")
