@@ -117,12 +117,22 @@ fi
 if has dotsr; then
   log "batch-1 model step with XLA's dot strength reduction off (M=1 dots become multiply + reduce, finding 18)"
   for sr in true false; do
-    timeout 240 python3 scripts/diag_loop_overhead.py --iters 20000 --repeats 3 --interference 0 \
-      --variants model-gemma3-1b-b1,model-gemma3-1b-b8 \
+    timeout 240 python3 scripts/diag_loop_overhead.py --iters ${DOTSR_ITERS:-3000} --repeats 3 \
+      --interference 0 --variants model-gemma3-1b-b1,model-gemma3-1b-b8 \
       --xla_extra=--xla_gpu_enable_dot_strength_reduction=$sr \
       --out bench/results/dotsr_${sr}_h200.json 2>&1 | grep -v "^[IW]1" | tail -4 | tee -a "$OUT/log.txt"
   done
   cp bench/results/dotsr_*_h200.json "$OUT/" 2>/dev/null
+  log "engine with dot strength reduction off: kernels per branch, per-token latency (quiet)"
+  XLA_FLAGS=--xla_gpu_enable_dot_strength_reduction=false timeout 200 python3 \
+    scripts/dump_engine_hlo.py --config gemma3-1b --out "$OUT/loop_hlo_1b_nodotsr.txt" 2>&1 \
+    | grep -E "^kernels \(min" | tee -a "$OUT/log.txt"
+  gzip -f "$OUT/loop_hlo_1b_nodotsr.txt"
+  XLA_FLAGS=--xla_gpu_enable_dot_strength_reduction=false timeout 240 python3 \
+    scripts/bench_executor.py --config gemma3-1b --batches 1,64 --interference 0 --prompt 1024 \
+    --tokens 128 --out bench/results/executor_latency_nodotsr_h200.json 2>&1 \
+    | grep -v "^[IW]1" | tail -7 | tee -a "$OUT/log.txt"
+  cp bench/results/executor_latency_nodotsr_h200.json "$OUT/" 2>/dev/null
 fi
 if has hostdiag; then
   log "host mode: what XLA does per step (host mode's batch-1 token is ~3x the bare step)"
