@@ -86,13 +86,14 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
     # Per-token latency at batch b is measured once all b requests decode: until then some
     # steps also carry another request's prompt chunk (requests that arrive between two
     # scans queue in slot order, so the watched one may decode before the last prefill).
-    got, steady_from = dict.fromkeys(slots, 0), None
+    got, steady_from, last_to_start = dict.fromkeys(slots, 0), None, None
     while True:
       outs = {s: eng.client.poll(s) for s in slots}
       for s, o in outs.items():
         got[s] += len(o.tokens)
       if steady_from is None and all(n > 0 for n in got.values()):
         steady_from = got[watched]
+        last_to_start = slots.index(min(slots, key=lambda s: got[s]))
       if all(o.finished for o in outs.values()):
         break
       time.sleep(0.001)
@@ -118,6 +119,9 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
           "iterations_per_token": delta["loop_iterations"] / per_tok,
           "steps_per_token": delta["steps"] / per_tok,
           "steady_from_token": steady_from,
+          # submission index of the request that produced its first token last (expected:
+          # the last one, batch - 1); a request that started late skews steady_from_token.
+          "last_to_start": last_to_start,
           **C.percentile_stats(clock.intervals_ms(steady_from), "tpot_ms"),
           **C.percentile_stats(clock.intervals_ms(steady_from, device=True), "device_tpot_ms")}
 

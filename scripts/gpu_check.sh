@@ -116,19 +116,21 @@ if has hlo; then
 fi
 if has dotsr; then
   log "batch-1 model step with XLA's dot strength reduction off (M=1 dots become multiply + reduce, finding 18)"
-  for sr in true false; do
+  # XLA's DotStrengthReduction pass rewrites every vector x matrix dot under 10M elements
+  # (each 1B-shape projection at one row) as multiply + reduce.
+  for sr in on off; do
+    extra=""; [ $sr = off ] && extra=${DOTSR_OFF:---xla_disable_hlo_passes=dot-strength-reduction}
     timeout 240 python3 scripts/diag_loop_overhead.py --iters ${DOTSR_ITERS:-3000} --repeats 3 \
-      --interference 0 --variants model-gemma3-1b-b1,model-gemma3-1b-b8 \
-      --xla_extra=--xla_gpu_enable_dot_strength_reduction=$sr \
+      --interference 0 --variants model-gemma3-1b-b1,model-gemma3-1b-b8 --xla_extra="$extra" \
       --out bench/results/dotsr_${sr}_h200.json 2>&1 | grep -v "^[IW]1" | tail -4 | tee -a "$OUT/log.txt"
   done
   cp bench/results/dotsr_*_h200.json "$OUT/" 2>/dev/null
   log "engine with dot strength reduction off: kernels per branch, per-token latency (quiet)"
-  XLA_FLAGS=--xla_gpu_enable_dot_strength_reduction=false timeout 200 python3 \
+  XLA_FLAGS=${DOTSR_OFF:---xla_disable_hlo_passes=dot-strength-reduction} timeout 200 python3 \
     scripts/dump_engine_hlo.py --config gemma3-1b --out "$OUT/loop_hlo_1b_nodotsr.txt" 2>&1 \
     | grep -E "^kernels \(min" | tee -a "$OUT/log.txt"
   gzip -f "$OUT/loop_hlo_1b_nodotsr.txt"
-  XLA_FLAGS=--xla_gpu_enable_dot_strength_reduction=false timeout 240 python3 \
+  XLA_FLAGS=${DOTSR_OFF:---xla_disable_hlo_passes=dot-strength-reduction} timeout 240 python3 \
     scripts/bench_executor.py --config gemma3-1b --batches 1,64 --interference 0 --prompt 1024 \
     --tokens 128 --out bench/results/executor_latency_nodotsr_h200.json 2>&1 \
     | grep -v "^[IW]1" | tail -7 | tee -a "$OUT/log.txt"
