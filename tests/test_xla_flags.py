@@ -21,12 +21,14 @@ def test_gpu_configuration_sets_command_buffer_flags_and_log_modules(monkeypatch
   flags = os.environ["XLA_FLAGS"].split()
   assert flags[0] == "--xla_foo=1"
   assert set(xla_flags.COMMAND_BUFFER_FLAGS) <= set(flags)
+  assert "--xla_disable_hlo_passes=dot-strength-reduction" in flags
   assert "WHILE" in xla_flags.COMMAND_TYPES and "CONDITIONAL" in xla_flags.COMMAND_TYPES
   assert os.environ["TF_CPP_VMODULE"].split(",") == list(xla_flags.VMODULES)
 
 
 def test_gpu_configuration_keeps_the_users_settings(monkeypatch):
-  mine = "--xla_gpu_enable_command_buffer=FUSION --xla_gpu_graph_min_graph_size=5"
+  mine = ("--xla_gpu_enable_command_buffer=FUSION --xla_gpu_graph_min_graph_size=5 "
+          "--xla_disable_hlo_passes=foo")
   assert _configure(monkeypatch, mine, vmodule="command_buffer_thunk=1,foo=3")
   assert os.environ["XLA_FLAGS"] == mine
   assert os.environ["TF_CPP_VMODULE"] == "command_buffer_thunk=1,foo=3,command_buffer_conversion_pass=2"
