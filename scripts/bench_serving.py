@@ -70,6 +70,8 @@ def define_flags() -> None:
   flags.DEFINE_bool("plot", True, "write a PNG next to the JSON")
   flags.DEFINE_string("plot_out", None, "PNG path (default: the JSON's with .png)")
   flags.DEFINE_list("compare", [], "plot these result files together (no run)")
+  flags.DEFINE_list("plot_percentiles", ["p50", "p90", "p99"], "latency percentiles drawn "
+                    "in the plots (one, e.g. p99, keeps a many-configuration plot legible)")
   flags.DEFINE_float("request_timeout_s", 1800.0, "per-request timeout")
   flags.DEFINE_float("power_interval_ms", 50.0, "NVML power sampling interval")
 
@@ -404,7 +406,8 @@ def _rate_positions(rates: list[float]) -> tuple[dict, list, list]:
   return pos, ticks, labels
 
 
-def plot_results(docs: list[tuple[str, list[dict]]], path: str | pathlib.Path) -> pathlib.Path:
+def plot_results(docs: list[tuple[str, list[dict]]], path: str | pathlib.Path,
+                 percentiles=("p50", "p90", "p99")) -> pathlib.Path:
   """Latency percentiles and throughput vs request rate, one color per (label, rows)."""
   import matplotlib
   matplotlib.use("Agg")
@@ -423,6 +426,8 @@ def plot_results(docs: list[tuple[str, list[dict]]], path: str | pathlib.Path) -
     c = colors[k % len(colors)]
     for ax, (key, title) in zip(axes, panels):
       for pct, style in (("p50", "-"), ("p90", ":"), ("p99", "--")):
+        if pct not in percentiles:
+          continue
         y = [r.get(f"{key}_{pct}", float("nan")) for r in rows]
         ax.plot(x, y, style, color=c, marker="o", ms=3, label=f"{label} {pct}")
       ax.set_title(title)
@@ -494,7 +499,7 @@ def main(argv):
     out = FLAGS.plot_out or str(pathlib.Path(files[0]).with_name("serving_compare.png"))
     for d in docs:
       print(C.table([{**r, "label": doc_label(d)} for r in d["results"]], TABLE_COLS))
-    plot_results([(doc_label(d), d["results"]) for d in docs], out)
+    plot_results([(doc_label(d), d["results"]) for d in docs], out, FLAGS.plot_percentiles)
     return
 
   key = FLAGS.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("BLINK_API_KEY")
@@ -571,7 +576,8 @@ def main(argv):
   print(C.table(rows, TABLE_COLS))
   if FLAGS.plot:
     try:
-      plot_results([(doc_label(extra), rows)], FLAGS.plot_out or path.with_suffix(".png"))
+      plot_results([(doc_label(extra), rows)], FLAGS.plot_out or path.with_suffix(".png"),
+                   FLAGS.plot_percentiles)
     except ImportError:
       print("matplotlib is not installed: no plot (pip install .[bench])")
 

@@ -51,6 +51,8 @@ for shape in $SHAPES; do
     kill -TERM $srv; wait $srv
   done
 done
-python3 scripts/bench_serving.py --compare bench/results/serving_h200_*.json \
-  --plot_out bench/results/serving_h200_compare.png 2>&1 | tail -3
+for shape in $SHAPES; do  # one plot per shape, P99 only (legible with five configurations)
+  python3 scripts/bench_serving.py --compare "$(ls bench/results/serving_h200_${shape}_*.json | paste -sd,)" \
+    --plot_percentiles p99 --plot_out "bench/results/serving_h200_${shape#gemma3-}_p99.png" 2>&1 | tail -1
+done
 tar czf "$OUT/serving_results.tgz" bench/results/serving_h200_* 2>/dev/null
