@@ -156,7 +156,7 @@ class Engine:
                idle_poll_us: int = 200, region: Any = None, model_name: str = "model",
                tokenizer_path: str | None = None, eos_ids: Sequence[int] | None = None,
                device: Any = None, frontend_workers: int = 0, fused_step: bool = False,
-               warm_up: bool | None = None):
+               warm_up: bool | None = None, attention: str = "reference"):
     import jax
 
     from blink_jax import executor as X
@@ -164,6 +164,8 @@ class Engine:
 
     if mode not in ("persistent", "host"):
       raise ValueError(f"mode must be 'persistent' or 'host', got {mode!r}")
+    if attention not in X.ATTENTION_KINDS:
+      raise ValueError(f"attention must be one of {X.ATTENTION_KINDS}, got {attention!r}")
     cfg = model.cfg
     if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
       raise ValueError(f"tokenizer has {tokenizer.vocab_size} pieces but the model only "
@@ -215,10 +217,11 @@ class Engine:
         page_size=page_size, num_pages=kv_pages, buckets=tuple(buckets),
         eos_ids=self.eos_ids, idle_poll_us=idle_poll_us)
     self.executor = X.Executor(model, self.sched, max_top_logprobs=max_top_logprobs,
-                               device=self.device, fused_step=fused_step)
+                               device=self.device, fused_step=fused_step, attention=attention)
     log.info("engine: model %s (%s, %d layers), dtype %s, device %s, mode %s, max_seqs %d, "
-             "kv pages %d x %d, buckets %s", model_name, cfg.name, cfg.num_layers,
-             model.dtype, self.device, mode, max_seqs, kv_pages, page_size, list(buckets))
+             "kv pages %d x %d, buckets %s, attention %s", model_name, cfg.name,
+             cfg.num_layers, model.dtype, self.device, mode, max_seqs, kv_pages, page_size,
+             list(buckets), attention)
     carry = self.executor.initial_carry()
     self.compiled = self.executor.compile(carry, mode)
     self.client = M.MailboxClient(self.region, frontend_workers, self.mailbox_workers)

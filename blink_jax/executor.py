@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -28,6 +29,8 @@ from jax import lax
 
 from blink_jax import batch as B
 from blink_jax import ffi as F
+from blink_jax import pallas_attention
+from blink_jax.attention import paged_attention_reference
 from blink_jax.model import Gemma, init_kv_cache
 from blink_jax.sampling import sample, top_n
 
@@ -52,6 +55,7 @@ jax.tree_util.register_dataclass(Carry, data_fields=["state", "history", "page_t
 # result is consumed by the next call, so data dependencies already order them; the flag is
 # kept switchable because XLA may refuse to put side-effecting calls into command buffers.
 FFI_SIDE_EFFECT = os.environ.get("BLINK_FFI_SIDE_EFFECT", "0") == "1"
+ATTENTION_KINDS = ("reference", "pallas")
 
 
 def schedule_call(cfg: F.SchedConfig, state, history, page_table):
@@ -91,10 +95,17 @@ class Executor:
   """Owns the device state and runs the serving loop over one mailbox."""
 
   def __init__(self, model: Gemma, sched: F.SchedConfig, *, max_top_logprobs: int,
-               device: jax.Device | None = None, fused_step: bool = False):
+               device: jax.Device | None = None, fused_step: bool = False,
+               attention: str = "reference"):
     """fused_step: one scheduler call per step (blink_step: commit, then the next schedule)
-    instead of two (blink_schedule before the model, blink_commit after it)."""
+    instead of two (blink_schedule before the model, blink_commit after it).
+    attention: "reference" (the jnp paged attention everywhere) or "pallas" (the Pallas
+    decode kernel for buckets of up to `pallas_attention.MAX_ROWS` tokens, the reference for
+    larger, prefill-sized buckets)."""
+    if attention not in ATTENTION_KINDS:
+      raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
     F.register_targets()
+    self.attention = attention
     self.model = model
     self.sched = sched
     self.max_top = max_top_logprobs
@@ -152,7 +163,8 @@ class Executor:
       params, zeros = params
       model = self._model(params)
       b = B.split(words, s.token_budget, s.max_seqs, rows, samples)
-      hidden, kv = model.forward(b.tokens, b.positions, b.seq_ids, page_table, kv)
+      hidden, kv = model.forward(b.tokens, b.positions, b.seq_ids, page_table, kv,
+                                 attention_fn=self._attention_fn(rows))
       h = hidden[jnp.clip(b.rows, 0, rows - 1)]
       logits = model.logits(h)
       f32 = lambda bits: lax.bitcast_convert_type(bits, jnp.float32)
@@ -168,6 +180,14 @@ class Executor:
               jnp.pad(rid, ((0, rpad), (0, 0))), jnp.pad(rtl, ((0, rpad), (0, 0))), kv)
 
     return run
+
+  def _attention_fn(self, rows: int):
+    if self.attention == "pallas" and rows <= pallas_attention.MAX_ROWS:
+      # Compiled by Triton on the GPU, run by Pallas' interpreter elsewhere (the CPU engine
+      # on a GPU machine too: the engine's device decides, not the default device).
+      return functools.partial(pallas_attention.paged_decode_attention,
+                               interpret=self.device.platform != "gpu")
+    return paged_attention_reference
 
   def _prompt_logprobs(self, model, hidden, targets, zeros, rows: int):
     """Logprob (and top-n) of each row's target token under the model; only computed when

@@ -34,6 +34,8 @@ flags.DEFINE_integer("page_size", 16, "KV page size")
 flags.DEFINE_list("buckets", ["1", "8", "64", "256"], "token buckets")
 flags.DEFINE_string("out", "bench/results/executor_latency.json", "JSON result file")
 flags.DEFINE_bool("fused", False, "one scheduler call per step (blink_step)")
+flags.DEFINE_enum("attention", "reference", ["reference", "pallas"],
+                  "paged attention of buckets up to 64 tokens (Engine(attention=...))")
 flags.DEFINE_enum("warm_up", "workload", ["workload", "shutdown"],
                   "before serving, run every bucket branch once (workload) or only one "
                   "schedule (shutdown) in XLA's op-by-op first execution (docs/NOTES.md, 16)")
@@ -60,7 +62,7 @@ def build_engine(mode: str, max_seqs: int):
                region=region,
                max_context=ctx, num_slots=max(2 * max_seqs, 8), ring_capacity=64,
                max_top_logprobs=0, buckets=buckets, idle_poll_us=50, fused_step=FLAGS.fused,
-               warm_up=FLAGS.warm_up == "workload",
+               attention=FLAGS.attention, warm_up=FLAGS.warm_up == "workload",
                kv_pages=max_seqs * (-(-ctx // FLAGS.page_size)) + 8)
   eng.shm = shm
   return eng, cfg
@@ -169,7 +171,8 @@ def main(argv):
   C.write_result(FLAGS.out, "executor_latency", rows,
                  {"config": FLAGS.config, "dtype": FLAGS.dtype, "prompt": FLAGS.prompt,
                   "tokens": FLAGS.tokens, "modes": reports, "cpus": len(cpus),
-                  "fused_step": FLAGS.fused, "warm_up": FLAGS.warm_up})
+                  "fused_step": FLAGS.fused, "warm_up": FLAGS.warm_up,
+                  "attention": FLAGS.attention})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA handlers, run the GPU tests, run the benchmarks.
-# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hlo|dotsr|profile|hostdiag|hf|serving|step|all]...
+# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hlo|dotsr|pallas|profile|hostdiag|hf|serving|step|all]...
 # Results: bench/results/*.json (commit them) and copies plus logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +39,7 @@ fi
 
 if has tests; then
   log "gpu tests"
-  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu ${GPU_TESTS:-tests/test_scheduler_backends.py tests/test_engine_gpu.py tests/test_device_region.py} \
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu ${GPU_TESTS:-tests/test_scheduler_backends.py tests/test_engine_gpu.py tests/test_device_region.py tests/test_pallas_attention.py} \
     -q -s -p no:cacheprovider 2>&1 | tail -40 | tee -a "$OUT/log.txt"
 fi
 if has diag; then
@@ -135,6 +135,19 @@ if has dotsr; then
     --tokens 128 --out bench/results/executor_latency_nodotsr_h200.json 2>&1 \
     | grep -v "^[IW]1" | tail -7 | tee -a "$OUT/log.txt"
   cp bench/results/executor_latency_nodotsr_h200.json "$OUT/" 2>/dev/null
+fi
+if has pallas; then
+  log "Pallas decode attention: kernels per branch and per-token latency vs the jnp reference"
+  timeout 200 python3 scripts/dump_engine_hlo.py --config gemma3-1b --attention pallas \
+    --out "$OUT/loop_hlo_1b_pallas.txt" 2>&1 | grep -E "^kernels \(min|loop report" | tee -a "$OUT/log.txt"
+  gzip -f "$OUT/loop_hlo_1b_pallas.txt"
+  for a in reference pallas; do
+    timeout ${EXEC_TIMEOUT:-240} python3 scripts/bench_executor.py --config gemma3-1b \
+      --batches 1,64 --modes persistent --interference ${PALLAS_INTERFERENCE:-0} --prompt 1024 \
+      --tokens 128 --attention $a --out bench/results/executor_latency_attn_${a}_h200.json 2>&1 \
+      | grep -v "^[IW]1" | tail -4 | tee -a "$OUT/log.txt"
+    cp bench/results/executor_latency_attn_${a}_h200.json "$OUT/" 2>/dev/null
+  done
 fi
 if has profile; then
   log "GPU time per kernel of the bare batch-1 model step (nsys, CUDA graph nodes traced)"

@@ -316,3 +316,21 @@ def test_fused_step_equals_the_dense_reference(model, dense, mode):
     assert [o.token_ids for o in outs] == want
     assert outs[2].prompt_logprobs[5] == pytest.approx(lp[4][prompts[2][5]], abs=1e-4)
     assert eng.stats()["pages_in_use"] == 0
+
+
+@pytest.mark.parametrize("mode", ["persistent", "host"])
+def test_pallas_attention_equals_the_dense_reference(model, dense, mode):
+  # Every bucket of ENGINE_KW is decode-sized (<= 64 tokens), so prefill chunks and decode
+  # steps alike run the Pallas kernel (Pallas' interpreter on CPU).
+  prompts = [[3, 4, 5], [6] * 20, list(range(10, 50))]
+  want = [dense(p, 6) for p in prompts]
+  with Engine(model, None, mode=mode, attention="pallas", **ENGINE_KW) as eng:
+    outs = eng.generate(prompt_token_ids=prompts,
+                        sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [o.token_ids for o in outs] == want
+    assert eng.stats()["pages_in_use"] == 0
+
+
+def test_unknown_attention_is_refused(model):
+  with pytest.raises(ValueError, match="attention must be one of"):
+    Engine(model, None, attention="flash", **ENGINE_KW)

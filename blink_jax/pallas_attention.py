@@ -1,0 +1,160 @@
+"""Paged decode attention as one Pallas kernel (Triton on the GPU) that reads the KV pages in
+place.
+
+The plain-jnp oracle (`attention.paged_attention_reference`) gathers each token's pages into
+a contiguous copy and then runs two GEMMs and a softmax: at batch 1 XLA compiles that into
+seven kernels per layer (gather, two GEMM fusions, softmax, two pads, a split-K reduce;
+finding 20 in docs/NOTES.md), and inside a CUDA graph each kernel costs ~2 us however little
+it does. This kernel does the whole attention of a token in one launch: the grid is
+(token, KV head, split of the page list); each program walks its pages a block at a time
+with an online softmax (flash decoding) and writes a partial output, which a few fused jnp
+ops merge across splits.
+
+Same signature and semantics as the reference (causal, optional sliding window, soft-cap,
+scale, GQA; padding rows produce finite garbage). Meant for steps with few tokens per
+sequence (decode): every token reads its whole context, so a 256-token prefill chunk would
+read it 256 times; the executor uses it for buckets up to `MAX_ROWS` tokens.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from blink_jax.attention import MASK_VALUE, apply_softcap
+
+# Largest token bucket the executor runs through this kernel (decode and small mixed steps).
+MAX_ROWS = 64
+# Triton's dot needs at least 16 rows: the query heads of one KV head are padded to this.
+_MIN_ROWS = 16
+_LOG2E = math.log2(math.e)
+
+
+def _kernel(q_ref, k_ref, v_ref, table_ref, bounds_ref, o_ref, m_ref, l_ref, *,
+            pages_per_block: int, pages_per_split: int, window: int | None,
+            softcap: float | None, scale: float):
+  """One (token, KV head, split): q_ref [G, h]; k_ref, v_ref [P, page_size, h]; table_ref
+  [pages_per_split] (this split's part of the token's page list, entries clipped to valid
+  page ids); bounds_ref [2] = (position, first page to read). Writes the split's
+  unnormalised output [G, h] and its softmax max and sum [G]."""
+  split = pl.program_id(2)
+  page_size = k_ref.shape[1]
+  block_keys = pages_per_block * page_size
+  pos, first_page = bounds_ref[0], bounds_ref[1]
+  split_start = split * pages_per_split
+  # Blocks of this split that hold keys in [first_page * page_size, pos]; pages past the
+  # position (or of a padding row: pos < 0) are never read.
+  end_page = jnp.minimum(pos // page_size + 1, split_start + pages_per_split) - split_start
+  start_page = jnp.maximum(first_page - split_start, 0)
+  first_block = start_page // pages_per_block
+  end_block = jnp.where(end_page > start_page, pl.cdiv(end_page, pages_per_block), first_block)
+
+  q = q_ref[...]
+  groups, head_dim = q.shape
+  # f32 (the CPU == GPU tests): full precision, not Triton's TF32 default.
+  precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+
+  def body(block, carry):
+    o, m, l = carry
+    ids = table_ref[pl.ds(block * pages_per_block, pages_per_block)]
+    k = k_ref[ids].reshape(block_keys, head_dim)
+    v = v_ref[ids].reshape(block_keys, head_dim)
+    logits = plgpu.dot(q, k, trans_b=True, precision=precision) * scale
+    logits = apply_softcap(logits, softcap)
+    key_pos = (split_start + block * pages_per_block) * page_size + jnp.arange(block_keys)
+    mask = key_pos <= pos
+    if window is not None:
+      mask &= pos - key_pos < window
+    logits = jnp.where(mask[None, :], logits, MASK_VALUE)
+    m_new = jnp.maximum(m, logits.max(axis=-1))
+    correction = jnp.exp2((m - m_new) * _LOG2E)
+    p = jnp.exp2((logits - m_new[:, None]) * _LOG2E)
+    l_new = l * correction + p.sum(axis=-1)
+    o_new = o * correction[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+    return o_new, m_new, l_new
+
+  init = (jnp.zeros((groups, head_dim), jnp.float32),
+          jnp.full((groups,), MASK_VALUE, jnp.float32), jnp.zeros((groups,), jnp.float32))
+  o, m, l = lax.fori_loop(first_block, end_block, body, init)
+  o_ref[...] = o
+  m_ref[...] = m
+  l_ref[...] = l
+
+
+@functools.partial(jax.jit, static_argnames=("window", "softcap", "scale", "pages_per_block",
+                                             "splits", "interpret"))
+def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           page_table: jax.Array, seq_ids: jax.Array, positions: jax.Array,
+                           *, window: int | None, softcap: float | None, scale: float,
+                           pages_per_block: int = 8, splits: int = 8,
+                           interpret: bool | None = None) -> jax.Array:
+  """Attention of each token q [T, H, h] over its sequence's cached keys, read in place from
+  k_pages, v_pages [P, page_size, K * h] (see `attention.paged_attention_reference`).
+
+  pages_per_block: pages per inner step (x page_size keys per dot; a power of two);
+  splits: programs that share one token's page list (parallelism at batch 1). interpret:
+  run the kernel with Pallas' interpreter (default: when the default device is not a GPU;
+  pass it explicitly when computing on another device)."""
+  if interpret is None:
+    interpret = jax.devices()[0].platform != "gpu"
+  tokens, num_heads, head_dim = q.shape
+  num_pages, page_size, kv_width = k_pages.shape
+  num_kv_heads = kv_width // head_dim
+  group = num_heads // num_kv_heads
+  if num_heads % num_kv_heads or kv_width % head_dim:
+    raise ValueError(f"{num_heads} query heads and KV width {kv_width} do not match "
+                     f"head_dim {head_dim}")
+  if pages_per_block & (pages_per_block - 1):
+    raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block}")
+  rows = max(_MIN_ROWS, pl.next_power_of_2(group))
+  max_pages = page_table.shape[1]
+  # Triton blocks are powers of two: the split's slice of the page list is one.
+  pages_per_split = pl.next_power_of_2(max(pl.cdiv(max_pages, splits), pages_per_block))
+  width = pages_per_split * splits
+
+  seq_ids, positions = jnp.asarray(seq_ids), jnp.asarray(positions)
+  valid = seq_ids >= 0
+  # Each token's page list, padded to the split width, entries clipped to real pages (the
+  # masked tail of a list may hold anything; a clipped id reads a real page, then masks it).
+  table = jnp.clip(page_table[jnp.maximum(seq_ids, 0)], 0, num_pages - 1)
+  table = jnp.pad(table, ((0, 0), (0, width - max_pages)))
+  pos = jnp.where(valid, jnp.minimum(positions, max_pages * page_size - 1), -1)
+  first = jnp.zeros_like(pos) if window is None else jnp.maximum(pos - window + 1, 0) // page_size
+  bounds = jnp.stack([pos, first], axis=1).astype(jnp.int32)
+  qg = q.reshape(tokens, num_kv_heads, group, head_dim)
+  qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+
+  kernel = functools.partial(_kernel, pages_per_block=pages_per_block,
+                             pages_per_split=pages_per_split, window=window, softcap=softcap,
+                             scale=scale)
+  pages_spec = pl.BlockSpec((num_pages, page_size, head_dim), lambda t, k, s: (0, 0, k))
+  o, m, l = pl.pallas_call(
+      kernel,
+      grid=(tokens, num_kv_heads, splits),
+      in_specs=[pl.BlockSpec((None, None, rows, head_dim), lambda t, k, s: (t, k, 0, 0)),
+                pages_spec, pages_spec,
+                pl.BlockSpec((None, pages_per_split), lambda t, k, s: (t, s)),
+                pl.BlockSpec((None, 2), lambda t, k, s: (t, 0))],
+      out_specs=[pl.BlockSpec((None, None, None, rows, head_dim),
+                              lambda t, k, s: (s, t, k, 0, 0)),
+                 pl.BlockSpec((None, None, None, rows), lambda t, k, s: (s, t, k, 0)),
+                 pl.BlockSpec((None, None, None, rows), lambda t, k, s: (s, t, k, 0))],
+      out_shape=[jax.ShapeDtypeStruct((splits, tokens, num_kv_heads, rows, head_dim),
+                                      jnp.float32),
+                 jax.ShapeDtypeStruct((splits, tokens, num_kv_heads, rows), jnp.float32),
+                 jax.ShapeDtypeStruct((splits, tokens, num_kv_heads, rows), jnp.float32)],
+      interpret=interpret,
+      name="blink_paged_decode_attention",
+  )(qg, k_pages, v_pages, table, bounds)
+  # Merge the splits' partial softmaxes; a split that read nothing has l = 0 and the mask
+  # value as its max, so its weight vanishes next to any split that read a key.
+  m_all = m.max(axis=0)
+  weight = jnp.exp(m - m_all[None])
+  l_all = (l * weight).sum(axis=0)
+  out = (o * weight[..., None]).sum(axis=0) / jnp.maximum(l_all, 1e-30)[..., None]
+  return out[:, :, :group].reshape(tokens, num_heads, head_dim).astype(q.dtype)

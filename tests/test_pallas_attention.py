@@ -1,0 +1,105 @@
+"""The Pallas paged decode attention equals the jnp oracle (Pallas' interpreter on CPU; the
+compiled Triton kernel on the GPU, marked `gpu`)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from blink_jax.attention import paged_attention_reference, write_kv
+from blink_jax.pallas_attention import paged_decode_attention
+
+
+def _case(rng, *, tokens, num_heads, num_kv_heads, head_dim, page_size, max_pages, seqs,
+          dtype=jnp.float32):
+  """Random pages with random page tables (distinct pages per sequence) and random rows;
+  a quarter of the rows are padding (seq_id -1)."""
+  num_pages = seqs * max_pages + 3
+  perm = rng.permutation(num_pages)[:seqs * max_pages].reshape(seqs, max_pages)
+  width = num_kv_heads * head_dim
+  k_pages = jnp.asarray(rng.standard_normal((num_pages, page_size, width)), dtype)
+  v_pages = jnp.asarray(rng.standard_normal((num_pages, page_size, width)), dtype)
+  q = jnp.asarray(rng.standard_normal((tokens, num_heads, head_dim)), dtype)
+  seq_ids = rng.integers(0, seqs, tokens).astype(np.int32)
+  seq_ids[rng.random(tokens) < 0.25] = -1
+  positions = rng.integers(0, max_pages * page_size, tokens).astype(np.int32)
+  return q, k_pages, v_pages, jnp.asarray(perm, jnp.int32), seq_ids, positions
+
+
+def _check(args, *, window, softcap, scale, splits, pages_per_block, atol=2e-5, **kw):
+  q, k_pages, v_pages, table, seq_ids, positions = args
+  want = paged_attention_reference(q, k_pages, v_pages, table, seq_ids, positions,
+                                   window=window, softcap=softcap, scale=scale)
+  got = paged_decode_attention(q, k_pages, v_pages, table, seq_ids, positions, window=window,
+                               softcap=softcap, scale=scale, splits=splits,
+                               pages_per_block=pages_per_block, **kw)
+  assert got.shape == want.shape and got.dtype == want.dtype
+  real = np.asarray(seq_ids) >= 0
+  assert np.all(np.isfinite(np.asarray(got, np.float32)))  # padding rows: finite garbage
+  np.testing.assert_allclose(np.asarray(got, np.float32)[real],
+                             np.asarray(want, np.float32)[real], atol=atol, rtol=atol)
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), page_size=st.sampled_from([2, 4, 8]),
+       max_pages=st.integers(1, 12), group=st.sampled_from([1, 2, 4]),
+       num_kv_heads=st.sampled_from([1, 2]), window=st.sampled_from([None, 3, 9]),
+       softcap=st.sampled_from([None, 20.0]), splits=st.sampled_from([1, 2, 4]),
+       pages_per_block=st.sampled_from([1, 2, 4]))
+def test_matches_the_reference(seed, page_size, max_pages, group, num_kv_heads, window,
+                               softcap, splits, pages_per_block):
+  rng = np.random.default_rng(seed)
+  args = _case(rng, tokens=5, num_heads=group * num_kv_heads, num_kv_heads=num_kv_heads,
+               head_dim=8, page_size=page_size, max_pages=max_pages, seqs=3)
+  _check(args, window=window, softcap=softcap, scale=0.3, splits=splits,
+         pages_per_block=pages_per_block)
+
+
+def test_reads_what_write_kv_wrote_across_splits():
+  """A decode step at the end of a long sequence: its own K/V (just written) and keys in
+  every split of the page list count."""
+  rng = np.random.default_rng(0)
+  q, k_pages, v_pages, table, _, _ = _case(rng, tokens=1, num_heads=4, num_kv_heads=1,
+                                           head_dim=16, page_size=4, max_pages=16, seqs=2)
+  seq_ids, positions = np.array([1, 0], np.int32), np.array([63, 17], np.int32)
+  q = jnp.concatenate([q, q * 0.5])
+  k_new = jnp.asarray(rng.standard_normal((2, 1, 16)), jnp.float32) * 4
+  k_pages, v_pages = write_kv(k_pages, v_pages, k_new, k_new, table, seq_ids, positions)
+  for window in (None, 10):
+    _check((q, k_pages, v_pages, table, seq_ids, positions), window=window, softcap=None,
+           scale=0.25, splits=4, pages_per_block=2)
+
+
+def test_bf16_is_close_to_the_reference():
+  rng = np.random.default_rng(1)
+  args = _case(rng, tokens=4, num_heads=4, num_kv_heads=1, head_dim=16, page_size=4,
+               max_pages=8, seqs=2, dtype=jnp.bfloat16)
+  _check(args, window=None, softcap=None, scale=0.25, splits=2, pages_per_block=2, atol=3e-2)
+
+
+def test_rejects_mismatched_heads():
+  rng = np.random.default_rng(2)
+  q, k_pages, v_pages, table, seq_ids, positions = _case(
+      rng, tokens=1, num_heads=3, num_kv_heads=2, head_dim=8, page_size=4, max_pages=2, seqs=1)
+  with pytest.raises(ValueError, match="3 query heads"):
+    paged_decode_attention(q, k_pages, v_pages, table, seq_ids, positions, window=None,
+                           softcap=None, scale=1.0)
+
+
+@pytest.mark.gpu
+def test_compiled_kernel_matches_the_reference_on_the_gpu():
+  """The Triton kernel in the Gemma 3 1B attention shape (4 query heads, 1 KV head, 256
+  dims, 16-token pages, 1k context) and a small GQA shape, f32 and bf16."""
+  if jax.devices()[0].platform != "gpu":
+    pytest.skip("needs a GPU")
+  rng = np.random.default_rng(3)
+  for dtype, atol in ((jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)):
+    args = _case(rng, tokens=8, num_heads=4, num_kv_heads=1, head_dim=256, page_size=16,
+                 max_pages=76, seqs=4, dtype=dtype)
+    for window in (None, 512):
+      _check(args, window=window, softcap=None, scale=256 ** -0.5, splits=8,
+             pages_per_block=8, atol=atol, interpret=False)
+    args = _case(rng, tokens=3, num_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+                 max_pages=10, seqs=2, dtype=dtype)
+    _check(args, window=None, softcap=50.0, scale=0.125, splits=2, pages_per_block=4,
+           atol=atol, interpret=False)
