@@ -91,13 +91,14 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, bounds_ref, o_ref, m_ref, l_ref, *,
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            page_table: jax.Array, seq_ids: jax.Array, positions: jax.Array,
                            *, window: int | None, softcap: float | None, scale: float,
-                           pages_per_block: int = 8, splits: int = 8,
+                           pages_per_block: int = 8, splits: int = 16,
                            interpret: bool | None = None) -> jax.Array:
   """Attention of each token q [T, H, h] over its sequence's cached keys, read in place from
   k_pages, v_pages [P, page_size, K * h] (see `attention.paged_attention_reference`).
 
   pages_per_block: pages per inner step (x page_size keys per dot; a power of two);
-  splits: programs that share one token's page list (parallelism at batch 1). interpret:
+  splits: programs that share one token's page list (parallelism at batch 1: with 16, a
+  1k-token context is one 8-page block per program). interpret:
   run the kernel with Pallas' interpreter (default: when the default device is not a GPU;
   pass it explicitly when computing on another device)."""
   if interpret is None:

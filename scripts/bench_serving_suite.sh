@@ -3,14 +3,14 @@
 # start scripts/serve.py (random weights), run scripts/bench_serving.py over a sweep of
 # request rates, quiet and under 2 x nproc thrashing processes with the frontend pinned to its
 # own cores (SmartNIC role), plus one unpinned run; then plot everything together.
-# Usage: TOKENIZER=path/tokenizer.model [SHAPES=...] [MODES=...] [RATES=4,inf]
+# Usage: TOKENIZER=path/tokenizer.model [SHAPES=...] [MODES=...] [RATES=2,4,8,inf]
 #        [NUM_PROMPTS=48] [UNPINNED=gemma3-1b:persistent] OUT=dir bash scripts/bench_serving_suite.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${TOKENIZER:?set TOKENIZER to a SentencePiece model}"
 SHAPES=${SHAPES:-gemma3-1b gemma3-270m}
 MODES=${MODES:-persistent host}
-RATES=${RATES:-4,inf}
+RATES=${RATES:-2,4,8,inf}  # light load to saturation (1B: ~7.5 req/s)
 N=${NUM_PROMPTS:-48}
 UNPINNED=${UNPINNED:-gemma3-1b:persistent}
 OUT=${OUT:-/tmp/blink_serving}

@@ -139,7 +139,7 @@ fi
 if has pallas; then
   log "Pallas decode attention: kernels per branch and per-token latency vs the jnp reference"
   timeout 200 python3 scripts/dump_engine_hlo.py --config gemma3-1b --attention pallas \
-    --out "$OUT/loop_hlo_1b_pallas.txt" 2>&1 | grep -E "^kernels \(min|loop report" | tee -a "$OUT/log.txt"
+    --out "$OUT/loop_hlo_1b_pallas.txt" 2>&1 | grep -E "^kernels \(min|loop report|copy instructions|KV cache" | tee -a "$OUT/log.txt"
   gzip -f "$OUT/loop_hlo_1b_pallas.txt"
   for a in reference pallas; do
     timeout ${EXEC_TIMEOUT:-240} python3 scripts/bench_executor.py --config gemma3-1b \
