@@ -32,6 +32,9 @@ from blink_jax.attention import MASK_VALUE, apply_softcap
 MAX_ROWS = 64
 # Triton's dot needs at least 16 rows: the query heads of one KV head are padded to this.
 _MIN_ROWS = 16
+# Keys x head dims of one K (or V) tile: 64 keys of a 256-wide head (32 KiB in bf16), so a
+# K and a V tile per pipeline stage fit the SM's shared memory.
+_TILE_ELEMENTS = 64 * 256
 _LOG2E = math.log2(math.e)
 
 
@@ -91,14 +94,15 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, bounds_ref, o_ref, m_ref, l_ref, *,
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            page_table: jax.Array, seq_ids: jax.Array, positions: jax.Array,
                            *, window: int | None, softcap: float | None, scale: float,
-                           pages_per_block: int = 8, splits: int = 16,
+                           pages_per_block: int | None = None, splits: int = 16,
                            interpret: bool | None = None) -> jax.Array:
   """Attention of each token q [T, H, h] over its sequence's cached keys, read in place from
   k_pages, v_pages [P, page_size, K * h] (see `attention.paged_attention_reference`).
 
-  pages_per_block: pages per inner step (x page_size keys per dot; a power of two);
+  pages_per_block: pages per inner step (x page_size keys per dot; a power of two; default:
+  tiles of at most 64 x 256 elements, at least 16 keys);
   splits: programs that share one token's page list (parallelism at batch 1: with 16, a
-  1k-token context is one 8-page block per program). interpret:
+  1k-token context of 16-token pages is two 4-page blocks per program). interpret:
   run the kernel with Pallas' interpreter (default: when the default device is not a GPU;
   pass it explicitly when computing on another device)."""
   if interpret is None:
@@ -110,6 +114,10 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   if num_heads % num_kv_heads or kv_width % head_dim:
     raise ValueError(f"{num_heads} query heads and KV width {kv_width} do not match "
                      f"head_dim {head_dim}")
+  if pages_per_block is None:
+    pages_per_block = max(1, _TILE_ELEMENTS // (head_dim * page_size),
+                          pl.cdiv(16, page_size))
+    pages_per_block = pl.next_power_of_2(pages_per_block)
   if pages_per_block & (pages_per_block - 1):
     raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block}")
   rows = max(_MIN_ROWS, pl.next_power_of_2(group))
@@ -150,6 +158,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                  jax.ShapeDtypeStruct((splits, tokens, num_kv_heads, rows), jnp.float32),
                  jax.ShapeDtypeStruct((splits, tokens, num_kv_heads, rows), jnp.float32)],
       interpret=interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       name="blink_paged_decode_attention",
   )(qg, k_pages, v_pages, table, bounds)
   # Merge the splits' partial softmaxes; a split that read nothing has l = 0 and the mask

@@ -97,8 +97,8 @@ def test_compiled_kernel_matches_the_reference_on_the_gpu():
     args = _case(rng, tokens=8, num_heads=4, num_kv_heads=1, head_dim=256, page_size=16,
                  max_pages=76, seqs=4, dtype=dtype)
     for window in (None, 512):
-      _check(args, window=window, softcap=None, scale=256 ** -0.5, splits=8,
-             pages_per_block=8, atol=atol, interpret=False)
+      _check(args, window=window, softcap=None, scale=256 ** -0.5, splits=16,
+             pages_per_block=None, atol=atol, interpret=False)  # the engine's defaults
     args = _case(rng, tokens=3, num_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
                  max_pages=10, seqs=2, dtype=dtype)
     _check(args, window=None, softcap=50.0, scale=0.125, splits=2, pages_per_block=4,
