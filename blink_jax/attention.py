@@ -1,7 +1,9 @@
 """Paged KV-cache writes and the plain-jnp paged attention oracle.
 
-Layout (docs/CONTRACTS.md): per layer `k_pages, v_pages [P, page_size, K * h]`; sequence slot
-`s` keeps its position `p` at page `page_table[s, p // page_size]`, row `p % page_size`.
+Layout (docs/CONTRACTS.md): per layer one array `kv_pages [P, page_size, 2 * K * h]`, a
+row's keys (K heads side by side) then its values; sequence slot `s` keeps its position `p`
+at page `page_table[s, p // page_size]`, row `p % page_size`. One array per layer makes a
+token's K/V one contiguous row: one cache write per layer and step, not two.
 Padding rows have `seq_id == -1`: they write nothing and their outputs are garbage (but finite).
 
 `paged_attention_reference` is deliberately simple and runs on any backend; it is the oracle
@@ -28,16 +30,15 @@ def apply_softcap(x: jax.Array, cap: float | None) -> jax.Array:
   return cap * jnp.tanh(x / cap)
 
 
-def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
-             page_table: jax.Array, seq_ids: jax.Array,
-             positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Writes k, v [T, K, h] of each token at its (sequence, position) slot of the pages.
+def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, page_table: jax.Array,
+             seq_ids: jax.Array, positions: jax.Array) -> jax.Array:
+  """Writes k, v [T, K, h] of each token at its (sequence, position) row of the pages.
 
   Rows with seq_id < 0 (padding), a position past the page table or an out-of-range page id
   are dropped, not written (rather than overwriting some other slot).
   """
   page_table, seq_ids, positions = map(jnp.asarray, (page_table, seq_ids, positions))
-  num_pages, page_size = k_pages.shape[:2]
+  num_pages, page_size, width = kv_pages.shape
   max_pages = page_table.shape[1]
   page_idx = positions // page_size
   valid = (seq_ids >= 0) & (page_idx >= 0) & (page_idx < max_pages)
@@ -46,20 +47,15 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
   valid &= (page >= 0) & (page < num_pages)
   # An index one past the end is dropped by mode="drop" (a negative one would wrap around).
   slot = jnp.where(valid, page * page_size + positions % page_size, num_pages * page_size)
-
-  def write(pages, x):
-    flat = pages.reshape(num_pages * page_size, *pages.shape[2:])
-    x = x.reshape(x.shape[0], *pages.shape[2:]).astype(pages.dtype)
-    flat = flat.at[slot].set(x, mode="drop")
-    return flat.reshape(pages.shape)
-
-  return write(k_pages, k), write(v_pages, v)
+  rows = jnp.concatenate([k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)], axis=1)
+  flat = kv_pages.reshape(num_pages * page_size, width)
+  flat = flat.at[slot].set(rows.astype(kv_pages.dtype), mode="drop")
+  return flat.reshape(kv_pages.shape)
 
 
-def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                              page_table: jax.Array, seq_ids: jax.Array, positions: jax.Array,
-                              *, window: int | None, softcap: float | None,
-                              scale: float) -> jax.Array:
+def paged_attention_reference(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array,
+                              seq_ids: jax.Array, positions: jax.Array, *, window: int | None,
+                              softcap: float | None, scale: float) -> jax.Array:
   """Attention of each token q [T, H, h] over its own sequence's cached keys.
 
   Token t attends to the keys of sequence `seq_ids[t]` at positions p with
@@ -70,8 +66,8 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
   """
   page_table, seq_ids, positions = map(jnp.asarray, (page_table, seq_ids, positions))
   _, num_heads, head_dim = q.shape
-  page_size = k_pages.shape[1]
-  num_kv_heads = k_pages.shape[2] // head_dim  # heads side by side: [P, page_size, K * h]
+  page_size = kv_pages.shape[1]
+  num_kv_heads = kv_pages.shape[2] // (2 * head_dim)  # [P, page_size, K * h keys | K * h values]
   group = num_heads // num_kv_heads
   seq_len = page_table.shape[1] * page_size
   key_pos = jnp.arange(seq_len, dtype=jnp.int32)
@@ -80,8 +76,9 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     q_t, seq_id, pos = args
     pages = page_table[jnp.maximum(seq_id, 0)]  # [max_pages]
     # Entries past the sequence's length may be garbage: clip them; they are masked below.
-    k = jnp.take(k_pages, pages, axis=0, mode="clip").reshape(seq_len, num_kv_heads, head_dim)
-    v = jnp.take(v_pages, pages, axis=0, mode="clip").reshape(seq_len, num_kv_heads, head_dim)
+    kv = jnp.take(kv_pages, pages, axis=0, mode="clip").reshape(seq_len, 2, num_kv_heads,
+                                                                 head_dim)
+    k, v = kv[:, 0], kv[:, 1]
     q_t = q_t.reshape(num_kv_heads, group, head_dim)  # query head n uses kv head n // group
     logits = jnp.einsum("kgh,lkh->kgl", q_t, k, preferred_element_type=jnp.float32) * scale
     logits = apply_softcap(logits, softcap)

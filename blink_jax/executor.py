@@ -42,7 +42,7 @@ class Carry:
   state: jax.Array       # scheduler state (int32 words, layout private to ffi/)
   history: jax.Array     # [max_seqs, max_context] token ids per lane
   page_table: jax.Array  # [max_seqs, max_pages_per_seq]
-  kv: list               # per layer (k_pages, v_pages)
+  kv: list               # per layer kv_pages (keys, then values)
   shutdown: jax.Array    # int32 scalar: the last schedule saw the shutdown word
   words: jax.Array       # the batch the next step runs (fused steps; unused when split)
 

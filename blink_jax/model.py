@@ -24,7 +24,7 @@ from flax import nnx
 from blink_jax.attention import MASK_VALUE, apply_softcap, paged_attention_reference, write_kv
 from blink_jax.config import ModelConfig
 
-KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k_pages, v_pages) [P, page, K * h]
+KVCache = list[jax.Array]  # per layer kv_pages [P, page, 2 * K * h]: keys, then values
 AttentionFn = Callable[..., jax.Array]  # the signature of paged_attention_reference
 
 
@@ -212,13 +212,13 @@ class Gemma(nnx.Module):
     attention_fn = paged_attention_reference if attention_fn is None else attention_fn
     x = self.embed_tokens(tokens)
     new_cache = []
-    for layer, (k_pages, v_pages) in zip(self.layers, kv_cache, strict=True):
+    for layer, kv_pages in zip(self.layers, kv_cache, strict=True):
       q, k, v = layer.qkv(x, positions)
-      k_pages, v_pages = write_kv(k_pages, v_pages, k, v, page_table, seq_ids, positions)
-      attn = attention_fn(q, k_pages, v_pages, page_table, seq_ids, positions,
+      kv_pages = write_kv(kv_pages, k, v, page_table, seq_ids, positions)
+      attn = attention_fn(q, kv_pages, page_table, seq_ids, positions,
                           **layer.attn.attention_kwargs())
       x = layer.finish(x, attn)
-      new_cache.append((k_pages, v_pages))
+      new_cache.append(kv_pages)
     return x, new_cache
 
   def logits(self, hidden: jax.Array) -> jax.Array:
@@ -259,11 +259,12 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | N
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int,
                   dtype: Any = jnp.bfloat16) -> KVCache:
-  """Zeroed per-layer (k_pages, v_pages), each [num_pages, page_size, K * h]. The heads share
-  the last axis: with a [.., K, h] shape and K == 1 (Gemma 3 270M and 1B) XLA's CPU layout
-  assignment moved the size-1 axis around and copied the whole cache every step."""
-  shape = (num_pages, page_size, cfg.num_kv_heads * cfg.head_dim)
-  return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+  """Zeroed per-layer kv_pages [num_pages, page_size, 2 * K * h]: a row holds a token's keys
+  (K heads side by side), then its values, so writing a token is one contiguous row. Heads
+  share the last axis: with a [.., K, h] shape and K == 1 (Gemma 3 270M and 1B) XLA's CPU
+  layout assignment moved the size-1 axis around and copied the whole cache every step."""
+  shape = (num_pages, page_size, 2 * cfg.num_kv_heads * cfg.head_dim)
+  return [jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)]
 
 
 def _str_keys(tree: Any) -> Any:

@@ -91,13 +91,12 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, bounds_ref, o_ref, m_ref, l_ref, *,
 
 @functools.partial(jax.jit, static_argnames=("window", "softcap", "scale", "pages_per_block",
                                              "splits", "interpret"))
-def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                           page_table: jax.Array, seq_ids: jax.Array, positions: jax.Array,
-                           *, window: int | None, softcap: float | None, scale: float,
+def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array,
+                           seq_ids: jax.Array, positions: jax.Array, *, window: int | None, softcap: float | None, scale: float,
                            pages_per_block: int | None = None, splits: int = 16,
                            interpret: bool | None = None) -> jax.Array:
   """Attention of each token q [T, H, h] over its sequence's cached keys, read in place from
-  k_pages, v_pages [P, page_size, K * h] (see `attention.paged_attention_reference`).
+  kv_pages [P, page_size, 2 * K * h] (see `attention.paged_attention_reference`).
 
   pages_per_block: pages per inner step (x page_size keys per dot; a power of two; default:
   tiles of at most 64 x 256 elements, at least 16 keys);
@@ -108,12 +107,12 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   if interpret is None:
     interpret = jax.devices()[0].platform != "gpu"
   tokens, num_heads, head_dim = q.shape
-  num_pages, page_size, kv_width = k_pages.shape
-  num_kv_heads = kv_width // head_dim
+  num_pages, page_size, kv_width = kv_pages.shape
+  num_kv_heads = kv_width // (2 * head_dim)
+  if not num_kv_heads or num_heads % num_kv_heads or kv_width % (2 * head_dim):
+    raise ValueError(f"{num_heads} query heads and KV width {kv_width} (keys and values) do "
+                     f"not match head_dim {head_dim}")
   group = num_heads // num_kv_heads
-  if num_heads % num_kv_heads or kv_width % head_dim:
-    raise ValueError(f"{num_heads} query heads and KV width {kv_width} do not match "
-                     f"head_dim {head_dim}")
   if pages_per_block is None:
     pages_per_block = max(1, _TILE_ELEMENTS // (head_dim * page_size),
                           pl.cdiv(16, page_size))
@@ -141,12 +140,16 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   kernel = functools.partial(_kernel, pages_per_block=pages_per_block,
                              pages_per_split=pages_per_split, window=window, softcap=softcap,
                              scale=scale)
-  pages_spec = pl.BlockSpec((num_pages, page_size, head_dim), lambda t, k, s: (0, 0, k))
+  # The same array twice: KV head k's keys are the k-th head_dim-wide block of a row, its
+  # values the (K + k)-th.
+  keys_spec = pl.BlockSpec((num_pages, page_size, head_dim), lambda t, k, s: (0, 0, k))
+  values_spec = pl.BlockSpec((num_pages, page_size, head_dim),
+                             lambda t, k, s: (0, 0, num_kv_heads + k))
   o, m, l = pl.pallas_call(
       kernel,
       grid=(tokens, num_kv_heads, splits),
       in_specs=[pl.BlockSpec((None, None, rows, head_dim), lambda t, k, s: (t, k, 0, 0)),
-                pages_spec, pages_spec,
+                keys_spec, values_spec,
                 pl.BlockSpec((None, pages_per_split), lambda t, k, s: (t, s)),
                 pl.BlockSpec((None, 2), lambda t, k, s: (t, 0))],
       out_specs=[pl.BlockSpec((None, None, None, rows, head_dim),
@@ -160,7 +163,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       interpret=interpret,
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       name="blink_paged_decode_attention",
-  )(qg, k_pages, v_pages, table, bounds)
+  )(qg, kv_pages, kv_pages, table, bounds)
   # Merge the splits' partial softmaxes; a split that read nothing has l = 0 and the mask
   # value as its max, so its weight vanishes next to any split that read a key.
   m_all = m.max(axis=0)

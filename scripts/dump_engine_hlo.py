@@ -38,7 +38,7 @@ def main(argv):
     f.write(text)
   copies = [l.strip()[:160] for l in text.splitlines() if re.search(r"= \S+ copy(-start)?\(", l)]
   print(f"{len(copies)} copy instructions in the module")
-  kv_shape = f"{eng.sched.num_pages},{eng.sched.page_size},{cfg.num_kv_heads * cfg.head_dim}"
+  kv_shape = f"{eng.sched.num_pages},{eng.sched.page_size},{2 * cfg.num_kv_heads * cfg.head_dim}"
   cache = [l for l in copies if f"[{kv_shape}]" in l]
   print(f"{len(cache)} of them copy a whole layer's KV cache [{kv_shape}] (should be 0)")
   for l in copies[:40]:

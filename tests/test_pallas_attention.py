@@ -16,21 +16,20 @@ def _case(rng, *, tokens, num_heads, num_kv_heads, head_dim, page_size, max_page
   a quarter of the rows are padding (seq_id -1)."""
   num_pages = seqs * max_pages + 3
   perm = rng.permutation(num_pages)[:seqs * max_pages].reshape(seqs, max_pages)
-  width = num_kv_heads * head_dim
-  k_pages = jnp.asarray(rng.standard_normal((num_pages, page_size, width)), dtype)
-  v_pages = jnp.asarray(rng.standard_normal((num_pages, page_size, width)), dtype)
+  width = 2 * num_kv_heads * head_dim  # keys, then values
+  kv_pages = jnp.asarray(rng.standard_normal((num_pages, page_size, width)), dtype)
   q = jnp.asarray(rng.standard_normal((tokens, num_heads, head_dim)), dtype)
   seq_ids = rng.integers(0, seqs, tokens).astype(np.int32)
   seq_ids[rng.random(tokens) < 0.25] = -1
   positions = rng.integers(0, max_pages * page_size, tokens).astype(np.int32)
-  return q, k_pages, v_pages, jnp.asarray(perm, jnp.int32), seq_ids, positions
+  return q, kv_pages, jnp.asarray(perm, jnp.int32), seq_ids, positions
 
 
 def _check(args, *, window, softcap, scale, splits, pages_per_block, atol=2e-5, **kw):
-  q, k_pages, v_pages, table, seq_ids, positions = args
-  want = paged_attention_reference(q, k_pages, v_pages, table, seq_ids, positions,
+  q, kv_pages, table, seq_ids, positions = args
+  want = paged_attention_reference(q, kv_pages, table, seq_ids, positions,
                                    window=window, softcap=softcap, scale=scale)
-  got = paged_decode_attention(q, k_pages, v_pages, table, seq_ids, positions, window=window,
+  got = paged_decode_attention(q, kv_pages, table, seq_ids, positions, window=window,
                                softcap=softcap, scale=scale, splits=splits,
                                pages_per_block=pages_per_block, **kw)
   assert got.shape == want.shape and got.dtype == want.dtype
@@ -59,14 +58,14 @@ def test_reads_what_write_kv_wrote_across_splits():
   """A decode step at the end of a long sequence: its own K/V (just written) and keys in
   every split of the page list count."""
   rng = np.random.default_rng(0)
-  q, k_pages, v_pages, table, _, _ = _case(rng, tokens=1, num_heads=4, num_kv_heads=1,
-                                           head_dim=16, page_size=4, max_pages=16, seqs=2)
+  q, kv_pages, table, _, _ = _case(rng, tokens=1, num_heads=4, num_kv_heads=1, head_dim=16,
+                                   page_size=4, max_pages=16, seqs=2)
   seq_ids, positions = np.array([1, 0], np.int32), np.array([63, 17], np.int32)
   q = jnp.concatenate([q, q * 0.5])
   k_new = jnp.asarray(rng.standard_normal((2, 1, 16)), jnp.float32) * 4
-  k_pages, v_pages = write_kv(k_pages, v_pages, k_new, k_new, table, seq_ids, positions)
+  kv_pages = write_kv(kv_pages, k_new, -k_new, table, seq_ids, positions)
   for window in (None, 10):
-    _check((q, k_pages, v_pages, table, seq_ids, positions), window=window, softcap=None,
+    _check((q, kv_pages, table, seq_ids, positions), window=window, softcap=None,
            scale=0.25, splits=4, pages_per_block=2)
 
 
@@ -79,10 +78,10 @@ def test_bf16_is_close_to_the_reference():
 
 def test_rejects_mismatched_heads():
   rng = np.random.default_rng(2)
-  q, k_pages, v_pages, table, seq_ids, positions = _case(
+  q, kv_pages, table, seq_ids, positions = _case(
       rng, tokens=1, num_heads=3, num_kv_heads=2, head_dim=8, page_size=4, max_pages=2, seqs=1)
   with pytest.raises(ValueError, match="3 query heads"):
-    paged_decode_attention(q, k_pages, v_pages, table, seq_ids, positions, window=None,
+    paged_decode_attention(q, kv_pages, table, seq_ids, positions, window=None,
                            softcap=None, scale=1.0)
 
 
