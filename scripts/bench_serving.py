@@ -69,7 +69,8 @@ def define_flags() -> None:
   flags.DEFINE_string("out", None, "JSON result (default: bench/results/serving_<label>.json)")
   flags.DEFINE_bool("plot", True, "write a PNG next to the JSON")
   flags.DEFINE_string("plot_out", None, "PNG path (default: the JSON's with .png)")
-  flags.DEFINE_list("compare", [], "plot these result files together (no run)")
+  flags.DEFINE_list("compare", [], "plot these result files together (no run; with --slo_*, "
+                    "goodput is recomputed from their saved requests)")
   flags.DEFINE_list("plot_percentiles", ["p50", "p90", "p99"], "latency percentiles drawn "
                     "in the plots (one, e.g. p99, keeps a many-configuration plot legible)")
   flags.DEFINE_float("request_timeout_s", 1800.0, "per-request timeout")
@@ -205,6 +206,36 @@ class Record:
     return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
+def goodput(records: list[Record], duration_s: float, slo_ttft_ms: float | None,
+            slo_tpot_ms: float | None) -> dict:
+  """Completed requests per second that meet both SLOs (an unset SLO always holds)."""
+  out = {"slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms}
+  if slo_ttft_ms is None and slo_tpot_ms is None:
+    return {**out, "goodput": None, "good_requests": None}
+
+  def good(r):
+    tp = r.tpot()
+    return (r.ok and (slo_ttft_ms is None or 1e3 * r.ttft <= slo_ttft_ms)
+            and (slo_tpot_ms is None or tp is None or 1e3 * tp <= slo_tpot_ms))
+  n_good = sum(good(r) for r in records)
+  return {**out, "good_requests": n_good,
+          "goodput": n_good / duration_s if duration_s > 0 else 0.0}
+
+
+def records_of(saved: list[dict]) -> list[Record]:
+  """Records back from a result file's per-request entries (no chunk times: no ITL)."""
+  return [Record(input_len=r["input_len"], max_tokens=r["max_tokens"], start=r["start_s"],
+                 ok=r["ok"], error=r["error"], ttft=r["ttft_s"], e2e=r["e2e_s"],
+                 output_tokens=r["output_tokens"]) for r in saved]
+
+
+def regoodput(doc: dict, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> dict:
+  """A result document with goodput recomputed for other SLOs from its saved requests."""
+  rows = [{**row, **goodput(records_of(doc["requests"][str(row["rate"])]), row["duration_s"],
+                            slo_ttft_ms, slo_tpot_ms)} for row in doc["results"]]
+  return {**doc, "results": rows}
+
+
 def compute_metrics(records: list[Record], duration_s: float, slo_ttft_ms: float | None = None,
                     slo_tpot_ms: float | None = None) -> dict:
   ok = [r for r in records if r.ok]
@@ -219,17 +250,7 @@ def compute_metrics(records: list[Record], duration_s: float, slo_ttft_ms: float
   m.update(C.percentile_stats(ms(r.tpot() for r in ok), "tpot_ms"))
   m.update(C.percentile_stats(ms(g for r in ok for g in r.itl()), "itl_ms"))
   m.update(C.percentile_stats(ms(r.e2e for r in ok), "e2e_ms"))
-  if slo_ttft_ms is None and slo_tpot_ms is None:
-    m["goodput"], m["good_requests"] = None, None
-  else:
-    def good(r):
-      tp = r.tpot()
-      return ((slo_ttft_ms is None or 1e3 * r.ttft <= slo_ttft_ms)
-              and (slo_tpot_ms is None or tp is None or 1e3 * tp <= slo_tpot_ms))
-    n_good = sum(good(r) for r in ok)
-    m["good_requests"] = n_good
-    m["goodput"] = n_good / duration_s if duration_s > 0 else 0.0
-  m["slo_ttft_ms"], m["slo_tpot_ms"] = slo_ttft_ms, slo_tpot_ms
+  m.update(goodput(ok, duration_s, slo_ttft_ms, slo_tpot_ms))
   errors = sorted({r.error for r in records if r.error})
   if errors:
     m["errors"] = errors[:10]
@@ -496,6 +517,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   if files:
     docs = [json.loads(pathlib.Path(p).read_text()) for p in files]
+    if FLAGS.slo_ttft_ms is not None or FLAGS.slo_tpot_ms is not None:
+      docs = [regoodput(d, FLAGS.slo_ttft_ms, FLAGS.slo_tpot_ms) for d in docs]
     out = FLAGS.plot_out or str(pathlib.Path(files[0]).with_name("serving_compare.png"))
     for d in docs:
       print(C.table([{**r, "label": doc_label(d)} for r in d["results"]], TABLE_COLS))

@@ -4,7 +4,8 @@
 # request rates, quiet and under 2 x nproc thrashing processes with the frontend pinned to its
 # own cores (SmartNIC role), plus one unpinned run; then plot everything together.
 # Usage: TOKENIZER=path/tokenizer.model [SHAPES=...] [MODES=...] [RATES=2,4,8,inf]
-#        [NUM_PROMPTS=48] [UNPINNED=gemma3-1b:persistent] OUT=dir bash scripts/bench_serving_suite.sh
+#        [NUM_PROMPTS=48] [UNPINNED=gemma3-1b:persistent] [SLO_TTFT_MS=1000] [SLO_TPOT_MS=10]
+#        OUT=dir bash scripts/bench_serving_suite.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${TOKENIZER:?set TOKENIZER to a SentencePiece model}"
@@ -12,6 +13,10 @@ SHAPES=${SHAPES:-gemma3-1b gemma3-270m}
 MODES=${MODES:-persistent host}
 RATES=${RATES:-2,4,8,inf}  # light load to saturation (1B: ~7.5 req/s)
 N=${NUM_PROMPTS:-48}
+# Goodput counts the requests that meet both: a chat-like 1 s to the first token and 100
+# tokens/s after it.
+SLO_TTFT_MS=${SLO_TTFT_MS:-1000}
+SLO_TPOT_MS=${SLO_TPOT_MS:-10}
 UNPINNED=${UNPINNED:-gemma3-1b:persistent}
 OUT=${OUT:-/tmp/blink_serving}
 mkdir -p "$OUT"
@@ -22,6 +27,7 @@ INT=$((2 * NCPU))
 bench() {  # label, port, interference, frontend cpus (empty: unpinned)
   python3 scripts/bench_serving.py --base_url "http://127.0.0.1:$2/v1" --num_prompts "$N" \
     --rates "$RATES" --max_context 2048 --max_input_len 1024 --interference "$3" \
+    --slo_ttft_ms "$SLO_TTFT_MS" --slo_tpot_ms "$SLO_TPOT_MS" \
     --frontend_cpus "$4" --label "$1" --out "bench/results/serving_h200_$1.json" 2>&1 \
     | grep -v "^[IW]1" | tail -6
   # One archive (the device returns a limited number of files), refreshed after every run.

@@ -251,3 +251,18 @@ def test_power_sampler_integrates_nvml_power(monkeypatch):
   assert r["avg_power_w"] == pytest.approx(200.0)
   assert r["energy_j"] == pytest.approx(200.0 * span)
   assert r["energy_per_token_j"] == pytest.approx(200.0 * span / 60)
+
+
+def test_goodput_recomputed_from_saved_requests():
+  recs = _records()
+  saved = {"results": [{"rate": 4.0, "duration_s": 2.0}],
+           "requests": {"4.0": [{"input_len": r.input_len, "max_tokens": r.max_tokens,
+                                 "ok": r.ok, "error": r.error, "start_s": r.start,
+                                 "ttft_s": r.ttft, "e2e_s": r.e2e,
+                                 "output_tokens": r.output_tokens,
+                                 "chunks": len(r.chunk_times)} for r in recs]}}
+  for slo in ((150, 100), (250, None), (None, 300)):
+    want = BS.compute_metrics(recs, 2.0, *slo)
+    got = BS.regoodput(saved, *slo)["results"][0]
+    assert (got["good_requests"], got["goodput"]) == (want["good_requests"], want["goodput"])
+    assert (got["slo_ttft_ms"], got["slo_tpot_ms"]) == slo
