@@ -245,8 +245,9 @@ class Executor:
     lowered = fn.lower(self.inputs, carry)
     options = {}
     if mode == "host" and self.device.platform == "gpu":
-      from blink_jax.xla_flags import HOST_COMMAND_TYPES
+      from blink_jax.xla_flags import HOST_COMMAND_TYPES, HOST_MIN_GRAPH_SIZE
       options["xla_gpu_enable_command_buffer"] = HOST_COMMAND_TYPES
+      options["xla_gpu_graph_min_graph_size"] = HOST_MIN_GRAPH_SIZE
     with capture_stderr() as log_text:
       compiled = lowered.compile(compiler_options=options or None)
     self.compile_log = log_text()

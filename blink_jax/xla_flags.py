@@ -24,6 +24,11 @@ COMMAND_TYPES = os.environ.get(
 # whole step was one graph and a 1B-shape token took 8.6 ms at batch 1 instead of 4.4 ms.)
 HOST_COMMAND_TYPES = os.environ.get("BLINK_HOST_COMMAND_BUFFER_TYPES",
                                     "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL")
+# Smallest run of commands host mode puts into a CUDA graph. XLA re-records ~26 small graphs
+# (1-3 commands, the pieces between the step's host-run conditionals) at every host-mode
+# step (finding 19); with a larger minimum they would launch as plain kernels. 1 (XLA's
+# setting for the persistent loop) until the H200 says otherwise: `gpu_check.sh hostgraph`.
+HOST_MIN_GRAPH_SIZE = int(os.environ.get("BLINK_HOST_MIN_GRAPH_SIZE", "1"))
 # XLA log lines the executor reads: which thunks became command buffers, and the op-by-op
 # warm-up execution of a command buffer.
 VMODULES = ("command_buffer_conversion_pass=2", "command_buffer_thunk=2")

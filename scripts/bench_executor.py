@@ -172,7 +172,8 @@ def main(argv):
                  {"config": FLAGS.config, "dtype": FLAGS.dtype, "prompt": FLAGS.prompt,
                   "tokens": FLAGS.tokens, "modes": reports, "cpus": len(cpus),
                   "fused_step": FLAGS.fused, "warm_up": FLAGS.warm_up,
-                  "attention": FLAGS.attention})
+                  "attention": FLAGS.attention,
+                  "host_min_graph_size": xla_flags.HOST_MIN_GRAPH_SIZE})
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ from absl import app, flags
 from flax import nnx
 from jax import lax
 
-from blink_jax import xla_flags
+from blink_jax import pallas_attention, xla_flags
+from blink_jax.attention import paged_attention_reference
 from scripts import bench_common as C
 
 FLAGS = flags.FLAGS
@@ -29,6 +30,8 @@ flags.DEFINE_list("prefill", ["128", "1024", "4096"], "prompt lengths for prefil
 flags.DEFINE_integer("steps", 50, "steps per timed device loop")
 flags.DEFINE_integer("repeats", 3, "timed loops per point (median and spread reported)")
 flags.DEFINE_integer("page_size", 16, "KV page size")
+flags.DEFINE_enum("attention", "reference", ["reference", "pallas"],
+                  "paged attention of decode steps (prefill always uses the reference)")
 flags.DEFINE_bool("scheduler", True, "also time schedule+commit and an empty loop iteration")
 flags.DEFINE_string("out", "bench/results/step.json", "JSON result file")
 flags.DEFINE_integer("copy_elems", 1 << 31, "bf16 elements of the bandwidth probe")
@@ -65,9 +68,13 @@ def step_loop(model, n_tokens: int, n_seqs: int, steps: int):
   """A jitted loop of `steps` model steps over n_tokens rows of n_seqs sequences."""
   graphdef, params = nnx.split(model)
 
+  attention = paged_attention_reference
+  if FLAGS.attention == "pallas" and n_tokens <= pallas_attention.MAX_ROWS:
+    attention = pallas_attention.paged_decode_attention  # what the executor's buckets use
+
   def one(params, kv, tokens, positions, seq_ids, pt):
     m = nnx.merge(graphdef, params)
-    hidden, kv = m.forward(tokens, positions, seq_ids, pt, kv)
+    hidden, kv = m.forward(tokens, positions, seq_ids, pt, kv, attention_fn=attention)
     last = hidden[jnp.arange(n_seqs) * (n_tokens // n_seqs) + n_tokens // n_seqs - 1]
     nxt = jnp.argmax(m.logits(last), axis=-1).astype(jnp.int32)
     return kv, nxt
@@ -155,7 +162,8 @@ def main(argv):
                        "ms_per_step_min", "ms_per_step_max", "hbm_floor_ms", "matmul_floor_ms",
                        "tokens_per_s"]))
   C.write_result(FLAGS.out, "step", rows, {"config": FLAGS.config, "copy_bytes_per_s": bw,
-                                          "matmul_flop_per_s": flops})
+                                          "matmul_flop_per_s": flops,
+                                          "attention": FLAGS.attention})
 
 
 if __name__ == "__main__":

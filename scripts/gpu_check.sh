@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA handlers, run the GPU tests, run the benchmarks.
-# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hlo|dotsr|pallas|profile|hostdiag|hf|serving|step|all]...
+# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hlo|dotsr|pallas|profile|hostdiag|hostgraph|hf|serving|step|all]...
 # Results: bench/results/*.json (commit them) and copies plus logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -174,6 +174,16 @@ if has hostdiag; then
     echo "$p: $(grep -c "$p" "$OUT/vlog_host.txt")" | tee -a "$OUT/log.txt"
   done
   gzip -f "$OUT/vlog_host.txt"
+fi
+if has hostgraph; then
+  log "host mode with small CUDA graphs launched as plain kernels (finding 19)"
+  for g in 1 ${HOST_GRAPH_SIZES:-8}; do
+    BLINK_HOST_MIN_GRAPH_SIZE=$g timeout 200 python3 scripts/bench_executor.py --modes host \
+      --batches 1,64 --interference 0 --prompt 1024 --tokens 128 \
+      --out bench/results/executor_latency_host_graph${g}_h200.json 2>&1 | grep -v "^[IW]1" \
+      | tail -3 | tee -a "$OUT/log.txt"
+    cp bench/results/executor_latency_host_graph${g}_h200.json "$OUT/" 2>/dev/null
+  done
 fi
 if has hf; then
   log "HF transformers single-stream reference (Gemma 3 1B shape, random weights)"
