@@ -85,12 +85,17 @@ class Attention(nnx.Module):
   def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [..., D] -> q [..., H, h], k, v [..., K, h]; q and k normed (Gemma 3) and rotated."""
     q, k, v = (_project(x, w[...].astype(x.dtype)) for w in (self.q, self.k, self.v))
+    # Query and key heads are normed and rotated as one [..., H + K, h] array: the same math
+    # per head, but one reduction and one elementwise kernel per layer instead of one each
+    # for q and k (a batch-1 step is bound by its kernel count, docs/NOTES.md finding 20).
+    n, h = q.shape[-2:]
+    qk = jnp.concatenate([q, k], axis=-2)
     if self.use_qk_norm:
-      q = rms_norm(q, self.q_norm[...], self.eps)
-      k = rms_norm(k, self.k_norm[...], self.eps)
-    q = apply_rope(q, positions, self.rope_base, self.rope_scale)
-    k = apply_rope(k, positions, self.rope_base, self.rope_scale)
-    return q, k, v
+      weight = jnp.concatenate([jnp.broadcast_to(self.q_norm[...], (n, h)),
+                                jnp.broadcast_to(self.k_norm[...], (k.shape[-2], h))])
+      qk = rms_norm(qk, weight, self.eps)
+    qk = apply_rope(qk, positions, self.rope_base, self.rope_scale)
+    return qk[..., :n, :], qk[..., n:, :], v
 
   def out(self, attn: jax.Array) -> jax.Array:
     """attn [..., H, h] -> [..., D]."""
