@@ -85,6 +85,26 @@ def test_rejects_mismatched_heads():
                            softcap=None, scale=1.0)
 
 
+@pytest.mark.parametrize("window", [None, 512])
+def test_lowers_to_a_triton_kernel_for_cuda(window):
+  """Pallas' Triton lowering runs in Python, so the CUDA lowering is checked without a GPU
+  (Gemma 3 1B attention shape, bf16, batch 1): one Triton custom call with the expected
+  grid, no interpreter ops."""
+  from jax import export
+  shapes = [jax.ShapeDtypeStruct(s, d) for s, d in (
+      ((1, 4, 256), jnp.bfloat16), ((4864, 16, 512), jnp.bfloat16), ((64, 76), jnp.int32),
+      ((1,), jnp.int32), ((1,), jnp.int32))]
+  f = jax.jit(lambda *a: paged_decode_attention(*a, window=window, softcap=None,
+                                                scale=0.0625, interpret=False))
+  triton = "__gpu$xla.gpu.triton"
+  exported = export.export(f, platforms=["cuda"], disabled_checks=[
+      export.DisabledSafetyCheck.custom_call(triton)])(*shapes)
+  text = exported.mlir_module()
+  assert text.count(f"@{triton}") == 1
+  assert "grid_x = 1 : i32, grid_y = 1 : i32, grid_z = 16 : i32" in text
+  assert "stablehlo.while" not in text  # the interpreter would loop over the grid
+
+
 @pytest.mark.gpu
 def test_compiled_kernel_matches_the_reference_on_the_gpu():
   """The Triton kernel in the Gemma 3 1B attention shape (4 query heads, 1 KV head, 256
