@@ -12,6 +12,14 @@ export TF_CPP_VMODULE=command_buffer_conversion_pass=2,command_buffer_thunk=2 TF
 parts=${*:-all}
 log() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$OUT/log.txt"; }
 has() { [[ " $parts " == *" $1 "* || " $parts " == *" all "* ]]; }
+# bench_executor.py in the 1B shape (1k-token prompts, 128 tokens) into
+# bench/results/executor_latency[_NAME]_h200.json; prints the table's last LINES lines.
+exec_bench() {  # NAME LINES [bench_executor flags...]
+  local file=bench/results/executor_latency${1:+_$1}_h200.json lines=$2; shift 2
+  timeout ${EXEC_TIMEOUT:-240} python3 scripts/bench_executor.py --config gemma3-1b --prompt 1024 \
+    --tokens 128 --out "$file" "$@" 2>&1 | grep -v "^[IW]1" | tail -$lines | tee -a "$OUT/log.txt"
+  cp "$file" "$OUT/" 2>/dev/null
+}
 
 log "device"; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv \
   2>&1 | tee -a "$OUT/log.txt"; python3 -c "import jax; print(jax.__version__, jax.devices())" \
@@ -85,27 +93,16 @@ if has sched; then
 fi
 if has executor; then
   log "executor latency (Gemma 3 1B shape, bf16)"
-  timeout ${EXEC_TIMEOUT:-400} python3 scripts/bench_executor.py --config gemma3-1b --batches 1,64 \
-    --prompt 1024 --tokens 128 --out bench/results/executor_latency_h200.json 2>&1 \
-    | grep -v "^[IW]1" | tail -25 | tee -a "$OUT/log.txt"
-  cp bench/results/executor_latency_h200.json "$OUT/" 2>/dev/null
+  exec_bench "" 25 --batches 1,64
 fi
 if has fused; then
   log "fused step (one scheduler call per step), persistent mode"
-  timeout ${EXEC_TIMEOUT:-400} python3 scripts/bench_executor.py --fused --modes persistent \
-    --config gemma3-1b --batches 1,64 --prompt 1024 --tokens 128 \
-    --out bench/results/executor_latency_fused_h200.json 2>&1 | grep -v "^[IW]1" | tail -8 \
-    | tee -a "$OUT/log.txt"
-  cp bench/results/executor_latency_fused_h200.json "$OUT/" 2>/dev/null
+  exec_bench fused 8 --fused --modes persistent --batches 1,64
 fi
 if has warmup; then
   log "engine per-token latency: warm-up workload vs shutdown-only warm-up (finding 16)"
   for w in workload shutdown; do
-    timeout ${EXEC_TIMEOUT:-200} python3 scripts/bench_executor.py --modes persistent \
-      --warm_up $w --config gemma3-1b --batches 1,64 --prompt 1024 --tokens 128 \
-      --out bench/results/executor_latency_warmup_${w}_h200.json 2>&1 | grep -v "^[IW]1" \
-      | tail -6 | tee -a "$OUT/log.txt"
-    cp bench/results/executor_latency_warmup_${w}_h200.json "$OUT/" 2>/dev/null
+    exec_bench warmup_$w 6 --modes persistent --warm_up $w --batches 1,64
   done
 fi
 if has hlo; then
@@ -130,11 +127,8 @@ if has dotsr; then
     scripts/dump_engine_hlo.py --config gemma3-1b --out "$OUT/loop_hlo_1b_nodotsr.txt" 2>&1 \
     | grep -E "^kernels \(min" | tee -a "$OUT/log.txt"
   gzip -f "$OUT/loop_hlo_1b_nodotsr.txt"
-  XLA_FLAGS=${DOTSR_OFF:---xla_disable_hlo_passes=dot-strength-reduction} timeout 240 python3 \
-    scripts/bench_executor.py --config gemma3-1b --batches 1,64 --interference 0 --prompt 1024 \
-    --tokens 128 --out bench/results/executor_latency_nodotsr_h200.json 2>&1 \
-    | grep -v "^[IW]1" | tail -7 | tee -a "$OUT/log.txt"
-  cp bench/results/executor_latency_nodotsr_h200.json "$OUT/" 2>/dev/null
+  XLA_FLAGS=${DOTSR_OFF:---xla_disable_hlo_passes=dot-strength-reduction} \
+    exec_bench nodotsr 7 --batches 1,64 --interference 0
 fi
 if has pallas; then
   log "Pallas decode attention: kernels per branch and per-token latency vs the jnp reference"
@@ -142,11 +136,8 @@ if has pallas; then
     --out "$OUT/loop_hlo_1b_pallas.txt" 2>&1 | grep -E "^kernels \(min|loop report|copy instructions|KV cache" | tee -a "$OUT/log.txt"
   gzip -f "$OUT/loop_hlo_1b_pallas.txt"
   for a in reference pallas; do
-    timeout ${EXEC_TIMEOUT:-240} python3 scripts/bench_executor.py --config gemma3-1b \
-      --batches 1,64 --modes persistent --interference ${PALLAS_INTERFERENCE:-0} --prompt 1024 \
-      --tokens 128 --attention $a --out bench/results/executor_latency_attn_${a}_h200.json 2>&1 \
-      | grep -v "^[IW]1" | tail -4 | tee -a "$OUT/log.txt"
-    cp bench/results/executor_latency_attn_${a}_h200.json "$OUT/" 2>/dev/null
+    exec_bench attn_$a 4 --batches 1,64 --modes persistent \
+      --interference ${PALLAS_INTERFERENCE:-0} --attention $a
   done
 fi
 if has profile; then
@@ -178,11 +169,8 @@ fi
 if has hostgraph; then
   log "host mode with small CUDA graphs launched as plain kernels (finding 19)"
   for g in 1 ${HOST_GRAPH_SIZES:-8}; do
-    BLINK_HOST_MIN_GRAPH_SIZE=$g timeout 200 python3 scripts/bench_executor.py --modes host \
-      --batches 1,64 --interference 0 --prompt 1024 --tokens 128 \
-      --out bench/results/executor_latency_host_graph${g}_h200.json 2>&1 | grep -v "^[IW]1" \
-      | tail -3 | tee -a "$OUT/log.txt"
-    cp bench/results/executor_latency_host_graph${g}_h200.json "$OUT/" 2>/dev/null
+    BLINK_HOST_MIN_GRAPH_SIZE=$g exec_bench host_graph$g 3 --modes host --batches 1,64 \
+      --interference 0
   done
 fi
 if has hf; then
