@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA handlers, run the GPU tests, run the benchmarks.
-# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hlo|dotsr|pallas|profile|hostdiag|hostgraph|hf|serving|step|all]...
+# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hlo|dotsr|pallas|hostdiag|hostgraph|hf|serving|step|all]...
 # Results: bench/results/*.json (commit them) and copies plus logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -139,21 +139,6 @@ if has pallas; then
     exec_bench attn_$a 4 --batches 1,64 --modes persistent \
       --interference ${PALLAS_INTERFERENCE:-0} --attention $a
   done
-fi
-if has profile; then
-  log "GPU time per kernel of the bare batch-1 model step (nsys, CUDA graph nodes traced)"
-  NSYS=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys \
-    /opt/nvidia/nsight-systems*/target-linux-x64/nsys 2>/dev/null | head -1)
-  if [ -z "$NSYS" ]; then log "no nsys here"; else
-    for v in ${PROFILE_VARIANTS:-model-gemma3-1b-b1}; do
-      timeout 200 "$NSYS" profile --cuda-graph-trace=node --trace=cuda -o /tmp/prof_$v \
-        --force-overwrite true python3 scripts/diag_loop_overhead.py --iters 300 --repeats 1 \
-        --interference 0 --variants $v --out /tmp/prof.json > "$OUT/nsys_$v.txt" 2>&1
-      "$NSYS" stats --report cuda_gpu_kern_sum --format csv -o "$OUT/kern_sum_$v" \
-        /tmp/prof_$v.nsys-rep >> "$OUT/nsys_$v.txt" 2>&1
-      python3 scripts/kernel_time_summary.py "$OUT"/kern_sum_${v}*.csv 2>&1 | tee -a "$OUT/log.txt"
-    done
-  fi
 fi
 if has hostdiag; then
   log "host mode: what XLA does per step (host mode's batch-1 token is ~3x the bare step)"
