@@ -164,8 +164,7 @@ class Engine:
 
     if mode not in ("persistent", "host"):
       raise ValueError(f"mode must be 'persistent' or 'host', got {mode!r}")
-    if attention not in X.ATTENTION_KINDS:
-      raise ValueError(f"attention must be one of {X.ATTENTION_KINDS}, got {attention!r}")
+    X.check_attention(attention)  # before the mailbox is allocated and registered
     cfg = model.cfg
     if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
       raise ValueError(f"tokenizer has {tokenizer.vocab_size} pieces but the model only "

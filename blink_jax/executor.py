@@ -58,6 +58,11 @@ FFI_SIDE_EFFECT = os.environ.get("BLINK_FFI_SIDE_EFFECT", "0") == "1"
 ATTENTION_KINDS = ("reference", "pallas")
 
 
+def check_attention(attention: str) -> None:
+  if attention not in ATTENTION_KINDS:
+    raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
+
+
 def schedule_call(cfg: F.SchedConfig, state, history, page_table):
   out = (jax.ShapeDtypeStruct(state.shape, jnp.int32),
          jax.ShapeDtypeStruct(history.shape, jnp.int32),
@@ -102,8 +107,7 @@ class Executor:
     attention: "reference" (the jnp paged attention everywhere) or "pallas" (the Pallas
     decode kernel for buckets of up to `pallas_attention.MAX_ROWS` tokens, the reference for
     larger, prefill-sized buckets)."""
-    if attention not in ATTENTION_KINDS:
-      raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
+    check_attention(attention)
     F.register_targets()
     self.attention = attention
     self.model = model

@@ -66,9 +66,13 @@ def configure_command_buffers() -> bool:
   if not cuda_plugin_installed() or os.environ.get("BLINK_NO_COMMAND_BUFFERS") == "1":
     return False
   current = os.environ.get("XLA_FLAGS", "")
-  missing = [f for f in (*COMMAND_BUFFER_FLAGS, *DECODE_FLAGS) if f.split("=")[0] not in current]
+  unset = lambda flags: [f for f in flags if f.split("=")[0] not in current]  # noqa: E731
+  missing = unset(COMMAND_BUFFER_FLAGS) + unset(DECODE_FLAGS)
   if backend_started():
-    if not missing:
+    if unset(DECODE_FLAGS):
+      log.warning("JAX's backend is already running without %s: batch-1 decode steps will be "
+                  "slower", " ".join(unset(DECODE_FLAGS)))
+    if not unset(COMMAND_BUFFER_FLAGS):
       return True
     log.warning("JAX's backend is already running: the command-buffer flags cannot take "
                 "effect and the loop will be driven by the host. Create the Engine before "

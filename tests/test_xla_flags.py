@@ -40,3 +40,11 @@ def test_no_command_buffers_when_the_backend_already_runs(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "")
   assert not xla_flags.configure_command_buffers()
   assert os.environ["XLA_FLAGS"] == ""
+
+
+def test_a_running_backend_without_the_decode_flag_still_has_command_buffers(monkeypatch):
+  monkeypatch.setattr(xla_flags, "cuda_plugin_installed", lambda: True)
+  monkeypatch.setattr(xla_flags, "backend_started", lambda: True)
+  monkeypatch.delenv("BLINK_NO_COMMAND_BUFFERS", raising=False)
+  monkeypatch.setenv("XLA_FLAGS", " ".join(xla_flags.COMMAND_BUFFER_FLAGS))
+  assert xla_flags.configure_command_buffers()
