@@ -161,10 +161,11 @@ class Engine:
 
     from blink_jax import executor as X
     from blink_jax import ffi as F
+    from blink_jax import pallas_attention
 
     if mode not in ("persistent", "host"):
       raise ValueError(f"mode must be 'persistent' or 'host', got {mode!r}")
-    X.check_attention(attention)  # before the mailbox is allocated and registered
+    pallas_attention.check(attention)  # before the mailbox is allocated and registered
     cfg = model.cfg
     if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
       raise ValueError(f"tokenizer has {tokenizer.vocab_size} pieces but the model only "

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 import re
@@ -30,7 +29,6 @@ from jax import lax
 from blink_jax import batch as B
 from blink_jax import ffi as F
 from blink_jax import pallas_attention
-from blink_jax.attention import paged_attention_reference
 from blink_jax.model import Gemma, init_kv_cache
 from blink_jax.sampling import sample, top_n
 
@@ -55,12 +53,6 @@ jax.tree_util.register_dataclass(Carry, data_fields=["state", "history", "page_t
 # result is consumed by the next call, so data dependencies already order them; the flag is
 # kept switchable because XLA may refuse to put side-effecting calls into command buffers.
 FFI_SIDE_EFFECT = os.environ.get("BLINK_FFI_SIDE_EFFECT", "0") == "1"
-ATTENTION_KINDS = ("reference", "pallas")
-
-
-def check_attention(attention: str) -> None:
-  if attention not in ATTENTION_KINDS:
-    raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
 
 
 def schedule_call(cfg: F.SchedConfig, state, history, page_table):
@@ -107,7 +99,7 @@ class Executor:
     attention: "reference" (the jnp paged attention everywhere) or "pallas" (the Pallas
     decode kernel for buckets of up to `pallas_attention.MAX_ROWS` tokens, the reference for
     larger, prefill-sized buckets)."""
-    check_attention(attention)
+    pallas_attention.check(attention)
     F.register_targets()
     self.attention = attention
     self.model = model
@@ -186,12 +178,10 @@ class Executor:
     return run
 
   def _attention_fn(self, rows: int):
-    if self.attention == "pallas" and rows <= pallas_attention.MAX_ROWS:
-      # Compiled by Triton on the GPU, run by Pallas' interpreter elsewhere (the CPU engine
-      # on a GPU machine too: the engine's device decides, not the default device).
-      return functools.partial(pallas_attention.paged_decode_attention,
-                               interpret=self.device.platform != "gpu")
-    return paged_attention_reference
+    # A Pallas kernel is compiled by Triton on the GPU and run by Pallas' interpreter
+    # elsewhere (the CPU engine on a GPU machine too: the engine's device decides).
+    return pallas_attention.select(self.attention, rows,
+                                   interpret=self.device.platform != "gpu")
 
   def _prompt_logprobs(self, model, hidden, targets, zeros, rows: int):
     """Logprob (and top-n) of each row's target token under the model; only computed when

@@ -26,9 +26,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from blink_jax.attention import MASK_VALUE, apply_softcap
+from blink_jax.attention import MASK_VALUE, apply_softcap, paged_attention_reference
 
-# Largest token bucket the executor runs through this kernel (decode and small mixed steps).
+# Attention implementations an engine can run (Engine(attention=...)).
+KINDS = ("reference", "pallas")
+# Largest token bucket that runs this kernel (decode and small mixed steps).
 MAX_ROWS = 64
 # Triton's dot needs at least 16 rows: the query heads of one KV head are padded to this.
 _MIN_ROWS = 16
@@ -36,6 +38,21 @@ _MIN_ROWS = 16
 # K and a V tile per pipeline stage fit the SM's shared memory.
 _TILE_ELEMENTS = 64 * 256
 _LOG2E = math.log2(math.e)
+
+
+def check(kind: str) -> None:
+  if kind not in KINDS:
+    raise ValueError(f"attention must be one of {KINDS}, got {kind!r}")
+
+
+def select(kind: str, rows: int, *, interpret: bool | None = None):
+  """The attention function for a step of `rows` tokens: this kernel for kind "pallas" and
+  buckets up to MAX_ROWS tokens, the jnp reference otherwise (prefill-sized buckets, where
+  every token would re-read its whole context)."""
+  check(kind)
+  if kind == "pallas" and rows <= MAX_ROWS:
+    return functools.partial(paged_decode_attention, interpret=interpret)
+  return paged_attention_reference
 
 
 def _kernel(q_ref, k_ref, v_ref, table_ref, bounds_ref, o_ref, m_ref, l_ref, *,

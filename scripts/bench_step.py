@@ -19,7 +19,6 @@ from flax import nnx
 from jax import lax
 
 from blink_jax import pallas_attention, xla_flags
-from blink_jax.attention import paged_attention_reference
 from scripts import bench_common as C
 
 FLAGS = flags.FLAGS
@@ -30,7 +29,7 @@ flags.DEFINE_list("prefill", ["128", "1024", "4096"], "prompt lengths for prefil
 flags.DEFINE_integer("steps", 50, "steps per timed device loop")
 flags.DEFINE_integer("repeats", 3, "timed loops per point (median and spread reported)")
 flags.DEFINE_integer("page_size", 16, "KV page size")
-flags.DEFINE_enum("attention", "reference", ["reference", "pallas"],
+flags.DEFINE_enum("attention", "reference", pallas_attention.KINDS,
                   "paged attention of decode steps (prefill always uses the reference)")
 flags.DEFINE_bool("scheduler", True, "also time schedule+commit and an empty loop iteration")
 flags.DEFINE_string("out", "bench/results/step.json", "JSON result file")
@@ -68,9 +67,7 @@ def step_loop(model, n_tokens: int, n_seqs: int, steps: int):
   """A jitted loop of `steps` model steps over n_tokens rows of n_seqs sequences."""
   graphdef, params = nnx.split(model)
 
-  attention = paged_attention_reference
-  if FLAGS.attention == "pallas" and n_tokens <= pallas_attention.MAX_ROWS:
-    attention = pallas_attention.paged_decode_attention  # what the executor's buckets use
+  attention = pallas_attention.select(FLAGS.attention, n_tokens)  # as the executor's buckets
 
   def one(params, kv, tokens, positions, seq_ids, pt):
     m = nnx.merge(graphdef, params)
