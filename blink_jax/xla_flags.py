@@ -67,12 +67,13 @@ def configure_command_buffers() -> bool:
     return False
   current = os.environ.get("XLA_FLAGS", "")
   unset = lambda flags: [f for f in flags if f.split("=")[0] not in current]  # noqa: E731
-  missing = unset(COMMAND_BUFFER_FLAGS) + unset(DECODE_FLAGS)
+  missing_cb, missing_decode = unset(COMMAND_BUFFER_FLAGS), unset(DECODE_FLAGS)
+  missing = missing_cb + missing_decode
   if backend_started():
-    if unset(DECODE_FLAGS):
+    if missing_decode:
       log.warning("JAX's backend is already running without %s: batch-1 decode steps will be "
-                  "slower", " ".join(unset(DECODE_FLAGS)))
-    if not unset(COMMAND_BUFFER_FLAGS):
+                  "slower", " ".join(missing_decode))
+    if not missing_cb:
       return True
     log.warning("JAX's backend is already running: the command-buffer flags cannot take "
                 "effect and the loop will be driven by the host. Create the Engine before "

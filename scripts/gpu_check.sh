@@ -20,6 +20,14 @@ exec_bench() {  # NAME LINES [bench_executor flags...]
     --tokens 128 --out "$file" "$@" 2>&1 | grep -v "^[IW]1" | tail -$lines | tee -a "$OUT/log.txt"
   cp "$file" "$OUT/" 2>/dev/null
 }
+# The compiled 1B-shape serving loop into $OUT/loop_hlo_1b[_NAME].txt.gz: copies of the KV
+# cache, the loop report and kernels per bucket branch.
+dump_hlo() {  # NAME [dump_engine_hlo flags...]
+  local file=$OUT/loop_hlo_1b${1:+_$1}.txt; shift
+  timeout 300 python3 scripts/dump_engine_hlo.py --config gemma3-1b --out "$file" "$@" 2>&1 \
+    | grep -E "copy instructions|KV cache|loop report|^kernels \(min" | tee -a "$OUT/log.txt"
+  gzip -f "$file"
+}
 
 log "device"; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv \
   2>&1 | tee -a "$OUT/log.txt"; python3 -c "import jax; print(jax.__version__, jax.devices())" \
@@ -107,34 +115,24 @@ if has warmup; then
 fi
 if has hlo; then
   log "copies in the compiled 1B-shape serving loop (a whole-cache copy per step is a bug)"
-  timeout 300 python3 scripts/dump_engine_hlo.py --config gemma3-1b --out "$OUT/loop_hlo_1b.txt" \
-    2>&1 | grep -E "copy instructions|KV cache|loop report|^kernels" | tee -a "$OUT/log.txt"
-  gzip -f "$OUT/loop_hlo_1b.txt"
+  dump_hlo ""
 fi
 if has dotsr; then
-  log "batch-1 model step with XLA's dot strength reduction off (M=1 dots become multiply + reduce, finding 18)"
-  # XLA's DotStrengthReduction pass rewrites every vector x matrix dot under 10M elements
-  # (each 1B-shape projection at one row) as multiply + reduce.
+  log "batch-1 model step with XLA's dot-strength-reduction pass on vs off (finding 20)"
+  # The pass rewrites every vector x matrix dot under 10M elements (each 1B-shape projection
+  # at one row) as multiply + reduce. xla_flags turns it off unless XLA_FLAGS already names
+  # --xla_disable_hlo_passes: the empty list turns it back on.
   for sr in on off; do
-    extra=""; [ $sr = off ] && extra=${DOTSR_OFF:---xla_disable_hlo_passes=dot-strength-reduction}
+    extra=""; [ $sr = on ] && extra=--xla_disable_hlo_passes=
     timeout 240 python3 scripts/diag_loop_overhead.py --iters ${DOTSR_ITERS:-3000} --repeats 3 \
       --interference 0 --variants model-gemma3-1b-b1,model-gemma3-1b-b8 --xla_extra="$extra" \
       --out bench/results/dotsr_${sr}_h200.json 2>&1 | grep -v "^[IW]1" | tail -4 | tee -a "$OUT/log.txt"
   done
   cp bench/results/dotsr_*_h200.json "$OUT/" 2>/dev/null
-  log "engine with dot strength reduction off: kernels per branch, per-token latency (quiet)"
-  XLA_FLAGS=${DOTSR_OFF:---xla_disable_hlo_passes=dot-strength-reduction} timeout 200 python3 \
-    scripts/dump_engine_hlo.py --config gemma3-1b --out "$OUT/loop_hlo_1b_nodotsr.txt" 2>&1 \
-    | grep -E "^kernels \(min" | tee -a "$OUT/log.txt"
-  gzip -f "$OUT/loop_hlo_1b_nodotsr.txt"
-  XLA_FLAGS=${DOTSR_OFF:---xla_disable_hlo_passes=dot-strength-reduction} \
-    exec_bench nodotsr 7 --batches 1,64 --interference 0
 fi
 if has pallas; then
   log "Pallas decode attention: kernels per branch and per-token latency vs the jnp reference"
-  timeout 200 python3 scripts/dump_engine_hlo.py --config gemma3-1b --attention pallas \
-    --out "$OUT/loop_hlo_1b_pallas.txt" 2>&1 | grep -E "^kernels \(min|loop report|copy instructions|KV cache" | tee -a "$OUT/log.txt"
-  gzip -f "$OUT/loop_hlo_1b_pallas.txt"
+  dump_hlo pallas --attention pallas
   for a in reference pallas; do
     exec_bench attn_$a 4 --batches 1,64 --modes persistent \
       --interference ${PALLAS_INTERFERENCE:-0} --attention $a
