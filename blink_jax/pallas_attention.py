@@ -5,10 +5,9 @@ The plain-jnp oracle (`attention.paged_attention_reference`) gathers each token'
 a contiguous copy and then runs two GEMMs and a softmax: at batch 1 XLA compiles that into
 seven kernels per layer (gather, two GEMM fusions, softmax, two pads, a split-K reduce;
 finding 20 in docs/NOTES.md), and inside a CUDA graph each kernel costs ~2 us however little
-it does. This kernel does the whole attention of a token in one launch: the grid is
-(token, KV head, split of the page list); each program walks its pages a block at a time
-with an online softmax (flash decoding) and writes a partial output, which a few fused jnp
-ops merge across splits.
+it does. Here a layer's attention is two launches: the first's grid is (token, KV head,
+split); each program walks its share of the token's pages a block at a time with an online
+softmax (flash decoding) and writes a partial output; the second merges the splits.
 
 Same signature and semantics as the reference (causal, optional sliding window, soft-cap,
 scale, GQA; padding rows produce finite garbage). Meant for steps with few tokens per
@@ -34,9 +33,14 @@ KINDS = ("reference", "pallas")
 MAX_ROWS = 64
 # Triton's dot needs at least 16 rows: the query heads of one KV head are padded to this.
 _MIN_ROWS = 16
-# Keys x head dims of one K (or V) tile: 64 keys of a 256-wide head (32 KiB in bf16), so a
-# K and a V tile per pipeline stage fit the SM's shared memory.
-_TILE_ELEMENTS = 64 * 256
+# Bytes of one K (or V) tile: 64 keys of a 256-wide bf16 head (32 keys in f32), so a K and a
+# V tile per pipeline stage fit the SM's shared memory (f32 at 64 keys asked 257 KiB of the
+# H200's 227).
+_TILE_BYTES = 32 * 1024
+# Programs the default split count aims at: about two per SM of an H200 (132 SMs), so a
+# batch-1 step spreads one token's context over 32 programs instead of a handful.
+_TARGET_PROGRAMS = 256
+_MAX_SPLITS = 32
 _LOG2E = math.log2(math.e)
 
 
@@ -56,23 +60,24 @@ def select(kind: str, rows: int, *, interpret: bool | None = None):
 
 
 def _kernel(q_ref, k_ref, v_ref, table_ref, bounds_ref, o_ref, m_ref, l_ref, *,
-            pages_per_block: int, pages_per_split: int, window: int | None,
-            softcap: float | None, scale: float):
+            pages_per_block: int, splits: int, window: int | None, softcap: float | None,
+            scale: float):
   """One (token, KV head, split): q_ref [G, h]; k_ref, v_ref [P, page_size, h]; table_ref
-  [pages_per_split] (this split's part of the token's page list, entries clipped to valid
-  page ids); bounds_ref [2] = (position, first page to read). Writes the split's
+  [W] (the token's page list, entries clipped to valid page ids, padded so any block
+  starting before its end fits); bounds_ref [2] = (position, first page to read). The
+  blocks of pages that hold keys in [first page * page_size, position] are shared out
+  evenly among the splits at run time, whatever the context length. Writes the split's
   unnormalised output [G, h] and its softmax max and sum [G]."""
   split = pl.program_id(2)
   page_size = k_ref.shape[1]
   block_keys = pages_per_block * page_size
   pos, first_page = bounds_ref[0], bounds_ref[1]
-  split_start = split * pages_per_split
-  # Blocks of this split that hold keys in [first_page * page_size, pos]; pages past the
-  # position (or of a padding row: pos < 0) are never read.
-  end_page = jnp.minimum(pos // page_size + 1, split_start + pages_per_split) - split_start
-  start_page = jnp.maximum(first_page - split_start, 0)
-  first_block = start_page // pages_per_block
-  end_block = jnp.where(end_page > start_page, pl.cdiv(end_page, pages_per_block), first_block)
+  # A padding row (pos < 0) has no pages.
+  num_pages = jnp.maximum(pos // page_size + 1 - first_page, 0)
+  num_blocks = pl.cdiv(num_pages, pages_per_block)
+  per_split = pl.cdiv(num_blocks, splits)
+  first_block = jnp.minimum(split * per_split, num_blocks)
+  end_block = jnp.minimum(first_block + per_split, num_blocks)
 
   q = q_ref[...]
   groups, head_dim = q.shape
@@ -81,12 +86,13 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, bounds_ref, o_ref, m_ref, l_ref, *,
 
   def body(block, carry):
     o, m, l = carry
-    ids = table_ref[pl.ds(block * pages_per_block, pages_per_block)]
+    page = first_page + block * pages_per_block
+    ids = table_ref[pl.ds(page, pages_per_block)]
     k = k_ref[ids].reshape(block_keys, head_dim)
     v = v_ref[ids].reshape(block_keys, head_dim)
     logits = plgpu.dot(q, k, trans_b=True, precision=precision) * scale
     logits = apply_softcap(logits, softcap)
-    key_pos = (split_start + block * pages_per_block) * page_size + jnp.arange(block_keys)
+    key_pos = page * page_size + jnp.arange(block_keys)
     mask = key_pos <= pos
     if window is not None:
       mask &= pos - key_pos < window
@@ -106,21 +112,43 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, bounds_ref, o_ref, m_ref, l_ref, *,
   l_ref[...] = l
 
 
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref):
+  """One (token, KV head): merges the splits' partial softmaxes o_ref [S, G, h], m_ref and
+  l_ref [S, G] into out_ref [G, h]. A split that read nothing has l = 0 and the mask value as
+  its max, so its weight vanishes next to any split that read a key."""
+  m_all = m_ref[...].max(axis=0)
+  l_all = (l_ref[...] * jnp.exp(m_ref[...] - m_all[None, :])).sum(axis=0)
+
+  def body(s, acc):
+    return acc + o_ref[s] * jnp.exp(m_ref[s] - m_all)[:, None]
+
+  acc = lax.fori_loop(0, o_ref.shape[0], body, jnp.zeros(o_ref.shape[1:], jnp.float32))
+  out_ref[...] = (acc / jnp.maximum(l_all, 1e-30)[:, None]).astype(out_ref.dtype)
+
+
+def default_splits(tokens: int, num_kv_heads: int, num_blocks: int) -> int:
+  """Splits per (token, KV head): enough programs to fill the GPU at small batches, at most
+  one per block of the longest page list."""
+  want = pl.cdiv(_TARGET_PROGRAMS, tokens * num_kv_heads)
+  return max(1, min(pl.next_power_of_2(want), _MAX_SPLITS, pl.next_power_of_2(num_blocks)))
+
+
 @functools.partial(jax.jit, static_argnames=("window", "softcap", "scale", "pages_per_block",
                                              "splits", "interpret"))
 def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array,
-                           seq_ids: jax.Array, positions: jax.Array, *, window: int | None, softcap: float | None, scale: float,
-                           pages_per_block: int | None = None, splits: int = 16,
+                           seq_ids: jax.Array, positions: jax.Array, *, window: int | None,
+                           softcap: float | None, scale: float,
+                           pages_per_block: int | None = None, splits: int | None = None,
                            interpret: bool | None = None) -> jax.Array:
   """Attention of each token q [T, H, h] over its sequence's cached keys, read in place from
   kv_pages [P, page_size, 2 * K * h] (see `attention.paged_attention_reference`).
 
   pages_per_block: pages per inner step (x page_size keys per dot; a power of two; default:
-  tiles of at most 64 x 256 elements, at least 16 keys);
-  splits: programs that share one token's page list (parallelism at batch 1: with 16, a
-  1k-token context of 16-token pages is two 4-page blocks per program). interpret:
-  run the kernel with Pallas' interpreter (default: when the default device is not a GPU;
-  pass it explicitly when computing on another device)."""
+  tiles of at most _TILE_BYTES, at least 16 keys); splits: programs that share one token's
+  context (a power of two; default `default_splits`: 32 at batch 1, so a 1k-token context
+  of 16-token pages is one 4-page block for each of 16 programs). interpret: run the kernels
+  with Pallas' interpreter (default: when the default device is not a GPU; pass it
+  explicitly when computing on another device)."""
   if interpret is None:
     interpret = jax.devices()[0].platform != "gpu"
   tokens, num_heads, head_dim = q.shape
@@ -131,21 +159,24 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
                      f"not match head_dim {head_dim}")
   group = num_heads // num_kv_heads
   if pages_per_block is None:
-    pages_per_block = max(1, _TILE_ELEMENTS // (head_dim * page_size),
-                          pl.cdiv(16, page_size))
-    pages_per_block = pl.next_power_of_2(pages_per_block)
+    tile_pages = _TILE_BYTES // (kv_pages.dtype.itemsize * head_dim * page_size)
+    pages_per_block = pl.next_power_of_2(max(1, tile_pages, pl.cdiv(16, page_size)))
   if pages_per_block & (pages_per_block - 1):
     raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block}")
-  rows = max(_MIN_ROWS, pl.next_power_of_2(group))
   max_pages = page_table.shape[1]
-  # Triton blocks are powers of two: the split's slice of the page list is one.
-  pages_per_split = pl.next_power_of_2(max(pl.cdiv(max_pages, splits), pages_per_block))
-  width = pages_per_split * splits
+  if splits is None:
+    splits = default_splits(tokens, num_kv_heads, pl.cdiv(max_pages, pages_per_block))
+  if splits < 1 or splits & (splits - 1):
+    raise ValueError(f"splits must be a power of two, got {splits}")
+  rows = max(_MIN_ROWS, pl.next_power_of_2(group))
+  # Triton blocks are powers of two: the page list is padded to one that holds any block
+  # starting before its end.
+  width = pl.next_power_of_2(max_pages + pages_per_block)
 
   seq_ids, positions = jnp.asarray(seq_ids), jnp.asarray(positions)
   valid = seq_ids >= 0
-  # Each token's page list, padded to the split width, entries clipped to real pages (the
-  # masked tail of a list may hold anything; a clipped id reads a real page, then masks it).
+  # Each token's page list, padded to the width, entries clipped to real pages (the masked
+  # tail of a list may hold anything; a clipped id reads a real page, then masks it).
   table = jnp.clip(page_table[jnp.maximum(seq_ids, 0)], 0, num_pages - 1)
   table = jnp.pad(table, ((0, 0), (0, width - max_pages)))
   pos = jnp.where(valid, jnp.minimum(positions, max_pages * page_size - 1), -1)
@@ -154,9 +185,8 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
   qg = q.reshape(tokens, num_kv_heads, group, head_dim)
   qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
 
-  kernel = functools.partial(_kernel, pages_per_block=pages_per_block,
-                             pages_per_split=pages_per_split, window=window, softcap=softcap,
-                             scale=scale)
+  kernel = functools.partial(_kernel, pages_per_block=pages_per_block, splits=splits,
+                             window=window, softcap=softcap, scale=scale)
   # The same array twice: KV head k's keys are the k-th head_dim-wide block of a row, its
   # values the (K + k)-th.
   keys_spec = pl.BlockSpec((num_pages, page_size, head_dim), lambda t, k, s: (0, 0, k))
@@ -167,7 +197,7 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
       grid=(tokens, num_kv_heads, splits),
       in_specs=[pl.BlockSpec((None, None, rows, head_dim), lambda t, k, s: (t, k, 0, 0)),
                 keys_spec, values_spec,
-                pl.BlockSpec((None, pages_per_split), lambda t, k, s: (t, s)),
+                pl.BlockSpec((None, width), lambda t, k, s: (t, 0)),
                 pl.BlockSpec((None, 2), lambda t, k, s: (t, 0))],
       out_specs=[pl.BlockSpec((None, None, None, rows, head_dim),
                               lambda t, k, s: (s, t, k, 0, 0)),
@@ -181,10 +211,17 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       name="blink_paged_decode_attention",
   )(qg, kv_pages, kv_pages, table, bounds)
-  # Merge the splits' partial softmaxes; a split that read nothing has l = 0 and the mask
-  # value as its max, so its weight vanishes next to any split that read a key.
-  m_all = m.max(axis=0)
-  weight = jnp.exp(m - m_all[None])
-  l_all = (l * weight).sum(axis=0)
-  out = (o * weight[..., None]).sum(axis=0) / jnp.maximum(l_all, 1e-30)[..., None]
-  return out[:, :, :group].reshape(tokens, num_heads, head_dim).astype(q.dtype)
+  # One more launch merges the splits (XLA made three kernels of the same few jnp ops).
+  out = pl.pallas_call(
+      _merge_kernel,
+      grid=(tokens, num_kv_heads),
+      in_specs=[pl.BlockSpec((splits, None, None, rows, head_dim), lambda t, k: (0, t, k, 0, 0)),
+                pl.BlockSpec((splits, None, None, rows), lambda t, k: (0, t, k, 0)),
+                pl.BlockSpec((splits, None, None, rows), lambda t, k: (0, t, k, 0))],
+      out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda t, k: (t, k, 0, 0)),
+      out_shape=jax.ShapeDtypeStruct((tokens, num_kv_heads, rows, head_dim), q.dtype),
+      interpret=interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      name="blink_paged_decode_merge",
+  )(o, m, l)
+  return out[:, :, :group].reshape(tokens, num_heads, head_dim)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA handlers, run the GPU tests, run the benchmarks.
-# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hlo|dotsr|pallas|hostdiag|hostgraph|hf|serving|step|all]...
+# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hlo|dotsr|xlaflags|pallas|hostdiag|hostgraph|hf|serving|step|all]...
 # Results: bench/results/*.json (commit them) and copies plus logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -129,6 +129,16 @@ if has dotsr; then
       --out bench/results/dotsr_${sr}_h200.json 2>&1 | grep -v "^[IW]1" | tail -4 | tee -a "$OUT/log.txt"
   done
   cp bench/results/dotsr_*_h200.json "$OUT/" 2>/dev/null
+fi
+if has xlaflags; then
+  log "bare batch-1/8 model step under other XLA flags (kernel-bound step, finding 20)"
+  # name=flags pairs; "default" is the baseline of the same run.
+  for v in ${XLA_VARIANTS:-default= cublas=--xla_gpu_enable_triton_gemm=false pdl=--xla_gpu_enable_pdl=true}; do
+    timeout 200 python3 scripts/diag_loop_overhead.py --iters ${XLA_ITERS:-3000} --repeats 3 \
+      --interference 0 --variants model-gemma3-1b-b1,model-gemma3-1b-b8 --xla_extra="${v#*=}" \
+      --out bench/results/xlaflags_${v%%=*}_h200.json 2>&1 | grep -v "^[IW]1" | tail -3 | tee -a "$OUT/log.txt"
+  done
+  cp bench/results/xlaflags_*_h200.json "$OUT/" 2>/dev/null
 fi
 if has pallas; then
   log "Pallas decode attention: kernels per branch and per-token latency vs the jnp reference"

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from blink_jax.attention import paged_attention_reference, write_kv
-from blink_jax.pallas_attention import paged_decode_attention
+from blink_jax.pallas_attention import default_splits, paged_decode_attention
 
 
 def _case(rng, *, tokens, num_heads, num_kv_heads, head_dim, page_size, max_pages, seqs,
@@ -43,7 +43,7 @@ def _check(args, *, window, softcap, scale, splits, pages_per_block, atol=2e-5, 
 @given(seed=st.integers(0, 2**31 - 1), page_size=st.sampled_from([2, 4, 8]),
        max_pages=st.integers(1, 12), group=st.sampled_from([1, 2, 4]),
        num_kv_heads=st.sampled_from([1, 2]), window=st.sampled_from([None, 3, 9]),
-       softcap=st.sampled_from([None, 20.0]), splits=st.sampled_from([1, 2, 4]),
+       softcap=st.sampled_from([None, 20.0]), splits=st.sampled_from([None, 1, 2, 8]),
        pages_per_block=st.sampled_from([1, 2, 4]))
 def test_matches_the_reference(seed, page_size, max_pages, group, num_kv_heads, window,
                                softcap, splits, pages_per_block):
@@ -76,6 +76,14 @@ def test_bf16_is_close_to_the_reference():
   _check(args, window=None, softcap=None, scale=0.25, splits=2, pages_per_block=2, atol=3e-2)
 
 
+def test_default_splits_fill_the_gpu_at_small_batches():
+  assert default_splits(tokens=1, num_kv_heads=1, num_blocks=19) == 32
+  assert default_splits(tokens=1, num_kv_heads=1, num_blocks=3) == 4  # no more than blocks
+  assert default_splits(tokens=8, num_kv_heads=1, num_blocks=19) == 32
+  assert default_splits(tokens=64, num_kv_heads=1, num_blocks=19) == 4
+  assert default_splits(tokens=64, num_kv_heads=8, num_blocks=19) == 1
+
+
 def test_rejects_mismatched_heads():
   rng = np.random.default_rng(2)
   q, kv_pages, table, seq_ids, positions = _case(
@@ -88,8 +96,8 @@ def test_rejects_mismatched_heads():
 @pytest.mark.parametrize("window", [None, 512])
 def test_lowers_to_a_triton_kernel_for_cuda(window):
   """Pallas' Triton lowering runs in Python, so the CUDA lowering is checked without a GPU
-  (Gemma 3 1B attention shape, bf16, batch 1): one Triton custom call with the expected
-  grid, no interpreter ops."""
+  (Gemma 3 1B attention shape, bf16, batch 1): two Triton custom calls (attention, merge)
+  with the expected grids, no interpreter ops."""
   from jax import export
   shapes = [jax.ShapeDtypeStruct(s, d) for s, d in (
       ((1, 4, 256), jnp.bfloat16), ((4864, 16, 512), jnp.bfloat16), ((64, 76), jnp.int32),
@@ -100,8 +108,10 @@ def test_lowers_to_a_triton_kernel_for_cuda(window):
   exported = export.export(f, platforms=["cuda"], disabled_checks=[
       export.DisabledSafetyCheck.custom_call(triton)])(*shapes)
   text = exported.mlir_module()
-  assert text.count(f"@{triton}") == 1
-  assert "grid_x = 1 : i32, grid_y = 1 : i32, grid_z = 16 : i32" in text
+  assert text.count(f"@{triton}") == 2
+  # 32 splits at batch 1 (default_splits), then one merge program per (token, KV head).
+  assert "grid_x = 1 : i32, grid_y = 1 : i32, grid_z = 32 : i32" in text
+  assert "grid_x = 1 : i32, grid_y = 1 : i32, grid_z = 1 : i32" in text
   assert "stablehlo.while" not in text  # the interpreter would loop over the grid
 
 
@@ -116,7 +126,7 @@ def test_compiled_kernel_matches_the_reference_on_the_gpu():
     args = _case(rng, tokens=8, num_heads=4, num_kv_heads=1, head_dim=256, page_size=16,
                  max_pages=76, seqs=4, dtype=dtype)
     for window in (None, 512):
-      _check(args, window=window, softcap=None, scale=256 ** -0.5, splits=16,
+      _check(args, window=window, softcap=None, scale=256 ** -0.5, splits=None,
              pages_per_block=None, atol=atol, interpret=False)  # the engine's defaults
     args = _case(rng, tokens=3, num_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
                  max_pages=10, seqs=2, dtype=dtype)
