@@ -143,9 +143,12 @@ fi
 if has pallas; then
   log "Pallas decode attention: kernels per branch and per-token latency vs the jnp reference"
   dump_hlo pallas --attention pallas
-  for a in reference pallas; do
-    exec_bench attn_$a 4 --batches 1,64 --modes persistent \
-      --interference ${PALLAS_INTERFERENCE:-0} --attention $a
+  # kind:interference threads:most splits (BLINK_PALLAS_MAX_SPLITS) per run.
+  for v in ${PALLAS_VARIANTS:-reference:0:16 pallas:32:16 pallas:0:32}; do
+    IFS=: read -r a inter splits <<<"$v"
+    name=attn_$a; [ $a = pallas ] && name=attn_pallas_s$splits
+    BLINK_PALLAS_MAX_SPLITS=$splits exec_bench $name 4 --batches 1,64 --modes persistent \
+      --interference $inter --attention $a
   done
 fi
 if has hostdiag; then
