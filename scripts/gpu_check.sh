@@ -147,7 +147,7 @@ if has pallas; then
   for v in ${PALLAS_VARIANTS:-reference:0:16 pallas:32:16 pallas:0:32}; do
     IFS=: read -r a inter splits <<<"$v"
     name=attn_$a; [ $a = pallas ] && name=attn_pallas_s$splits
-    BLINK_PALLAS_MAX_SPLITS=$splits exec_bench $name 4 --batches 1,64 --modes persistent \
+    BLINK_PALLAS_MAX_SPLITS=$splits exec_bench $name 6 --batches 1,64 --modes persistent \
       --interference $inter --attention $a
   done
 fi
