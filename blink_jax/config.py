@@ -114,3 +114,20 @@ def tiny_config(family: str = "gemma3", **kw: Any) -> ModelConfig:
     small["global_every"] = 3
   small.update(kw)
   return base.replace(**small)
+
+
+# Paged-attention implementations an engine can run (Engine(attention=...)): the jnp
+# reference, the Pallas decode kernel (blink_jax.pallas_attention) for decode-sized buckets,
+# or "auto": the kernel on a GPU (H200, 1B shape: a batch-1 token 1.81 vs 1.87 ms, batch 64
+# 2.45 vs 3.05 ms; bench/results/executor_latency_attn_*_h200.json) and the reference
+# elsewhere (Pallas' interpreter is slow).
+ATTENTION_KINDS = ("auto", "reference", "pallas")
+
+
+def resolve_attention(kind: str, platform: str) -> str:
+  """The implementation `kind` means on a device of `platform` ("gpu", "cpu", ...)."""
+  if kind not in ATTENTION_KINDS:
+    raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {kind!r}")
+  if kind == "auto":
+    return "pallas" if platform == "gpu" else "reference"
+  return kind

@@ -19,6 +19,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from blink_jax import config
 from blink_jax import mailbox as M
 from blink_jax import protocol as P
 from blink_jax.xla_flags import configure_command_buffers
@@ -156,16 +157,15 @@ class Engine:
                idle_poll_us: int = 200, region: Any = None, model_name: str = "model",
                tokenizer_path: str | None = None, eos_ids: Sequence[int] | None = None,
                device: Any = None, frontend_workers: int = 0, fused_step: bool = False,
-               warm_up: bool | None = None, attention: str = "reference"):
+               warm_up: bool | None = None, attention: str = "auto"):
     import jax
 
     from blink_jax import executor as X
     from blink_jax import ffi as F
-    from blink_jax import pallas_attention
 
     if mode not in ("persistent", "host"):
       raise ValueError(f"mode must be 'persistent' or 'host', got {mode!r}")
-    pallas_attention.check(attention)  # before the mailbox is allocated and registered
+    config.resolve_attention(attention, "")  # checks the name before the mailbox exists
     cfg = model.cfg
     if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
       raise ValueError(f"tokenizer has {tokenizer.vocab_size} pieces but the model only "
@@ -221,7 +221,7 @@ class Engine:
     log.info("engine: model %s (%s, %d layers), dtype %s, device %s, mode %s, max_seqs %d, "
              "kv pages %d x %d, buckets %s, attention %s", model_name, cfg.name,
              cfg.num_layers, model.dtype, self.device, mode, max_seqs, kv_pages, page_size,
-             list(buckets), attention)
+             list(buckets), self.executor.attention)
     carry = self.executor.initial_carry()
     self.compiled = self.executor.compile(carry, mode)
     self.client = M.MailboxClient(self.region, frontend_workers, self.mailbox_workers)

@@ -27,6 +27,7 @@ from flax import nnx
 from jax import lax
 
 from blink_jax import batch as B
+from blink_jax import config
 from blink_jax import ffi as F
 from blink_jax import pallas_attention
 from blink_jax.model import Gemma, init_kv_cache
@@ -93,19 +94,18 @@ class Executor:
 
   def __init__(self, model: Gemma, sched: F.SchedConfig, *, max_top_logprobs: int,
                device: jax.Device | None = None, fused_step: bool = False,
-               attention: str = "reference"):
+               attention: str = "auto"):
     """fused_step: one scheduler call per step (blink_step: commit, then the next schedule)
     instead of two (blink_schedule before the model, blink_commit after it).
-    attention: "reference" (the jnp paged attention everywhere) or "pallas" (the Pallas
+    attention: "reference" (the jnp paged attention everywhere), "pallas" (the Pallas
     decode kernel for buckets of up to `pallas_attention.MAX_ROWS` tokens, the reference for
-    larger, prefill-sized buckets)."""
-    pallas_attention.check(attention)
+    larger, prefill-sized buckets) or "auto" (pallas on a GPU, reference elsewhere)."""
     F.register_targets()
-    self.attention = attention
     self.model = model
     self.sched = sched
     self.max_top = max_top_logprobs
     self.device = device or jax.devices()[0]
+    self.attention = config.resolve_attention(attention, self.device.platform)
     self.graphdef, params = nnx.split(model)
     # The weights travel as a flat tuple of arrays: jax dispatches a tuple of ~350 arrays in
     # ~70 us, the same leaves inside nnx.State objects in ~300 us (measured on CPU), a cost

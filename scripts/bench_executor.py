@@ -18,7 +18,7 @@ from absl import app, flags
 
 from blink_jax import mailbox as M
 from blink_jax import protocol as P
-from blink_jax import xla_flags
+from blink_jax import config, xla_flags
 from scripts import bench_common as C
 from scripts.token_clock import TokenClock
 
@@ -34,7 +34,7 @@ flags.DEFINE_integer("page_size", 16, "KV page size")
 flags.DEFINE_list("buckets", ["1", "8", "64", "256"], "token buckets")
 flags.DEFINE_string("out", "bench/results/executor_latency.json", "JSON result file")
 flags.DEFINE_bool("fused", False, "one scheduler call per step (blink_step)")
-flags.DEFINE_enum("attention", "reference", ["reference", "pallas"],
+flags.DEFINE_enum("attention", "auto", config.ATTENTION_KINDS,
                   "paged attention of buckets up to 64 tokens (Engine(attention=...))")
 flags.DEFINE_enum("warm_up", "workload", ["workload", "shutdown"],
                   "before serving, run every bucket branch once (workload) or only one "

@@ -18,7 +18,7 @@ from absl import app, flags
 from flax import nnx
 from jax import lax
 
-from blink_jax import pallas_attention, xla_flags
+from blink_jax import config, pallas_attention, xla_flags
 from scripts import bench_common as C
 
 FLAGS = flags.FLAGS
@@ -29,7 +29,7 @@ flags.DEFINE_list("prefill", ["128", "1024", "4096"], "prompt lengths for prefil
 flags.DEFINE_integer("steps", 50, "steps per timed device loop")
 flags.DEFINE_integer("repeats", 3, "timed loops per point (median and spread reported)")
 flags.DEFINE_integer("page_size", 16, "KV page size")
-flags.DEFINE_enum("attention", "reference", pallas_attention.KINDS,
+flags.DEFINE_enum("attention", "auto", config.ATTENTION_KINDS,
                   "paged attention of decode steps (prefill always uses the reference)")
 flags.DEFINE_bool("scheduler", True, "also time schedule+commit and an empty loop iteration")
 flags.DEFINE_string("out", "bench/results/step.json", "JSON result file")
@@ -67,7 +67,8 @@ def step_loop(model, n_tokens: int, n_seqs: int, steps: int):
   """A jitted loop of `steps` model steps over n_tokens rows of n_seqs sequences."""
   graphdef, params = nnx.split(model)
 
-  attention = pallas_attention.select(FLAGS.attention, n_tokens)  # as the executor's buckets
+  attention = pallas_attention.select(  # as the executor's buckets
+      config.resolve_attention(FLAGS.attention, jax.devices()[0].platform), n_tokens)
 
   def one(params, kv, tokens, positions, seq_ids, pt):
     m = nnx.merge(graphdef, params)

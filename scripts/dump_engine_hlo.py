@@ -10,13 +10,13 @@ import re
 
 from absl import app, flags
 
-from blink_jax import xla_flags
+from blink_jax import config, xla_flags
 from hlo_kernels import switch_branches
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "gemma3-270m", "model config name, or 'tiny'")
 flags.DEFINE_string("out", "/tmp/loop_hlo.txt", "HLO text file")
-flags.DEFINE_enum("attention", "reference", ["reference", "pallas"], "Engine(attention=...)")
+flags.DEFINE_enum("attention", "auto", config.ATTENTION_KINDS, "Engine(attention=...)")
 
 
 def main(argv):

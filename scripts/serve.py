@@ -32,6 +32,8 @@ from pathlib import Path
 
 from absl import app, flags
 
+from blink_jax import config
+
 REPO = Path(__file__).resolve().parents[1]
 log = logging.getLogger("blink.serve")
 
@@ -52,9 +54,10 @@ flags.DEFINE_string("api_key", None, "Require 'Authorization: Bearer KEY' on /v1
 flags.DEFINE_enum("mode", "persistent", ["persistent", "host"],
                   "persistent: the serving loop runs on the device; host: the host drives "
                   "each step (for comparison).")
-flags.DEFINE_enum("attention", "reference", ["reference", "pallas"],
-                  "Paged attention of decode-sized steps: the jnp reference, or the Pallas "
-                  "kernel that reads KV pages in place (fewer kernels per step).")
+flags.DEFINE_enum("attention", "auto", config.ATTENTION_KINDS,
+                  "Paged attention of decode-sized steps: the jnp reference, the Pallas "
+                  "kernel that reads KV pages in place (fewer kernels per step), or auto: "
+                  "the kernel on a GPU, the reference elsewhere.")
 flags.DEFINE_string("shm_name", None, "Name of the mailbox's shared memory (default: random).")
 flags.DEFINE_string("relay_host", "127.0.0.1", "Address of the tcp relay (--transport tcp).")
 flags.DEFINE_integer("relay_port", 0, "Port of the tcp relay (0: any free port).")

@@ -334,3 +334,12 @@ def test_pallas_attention_equals_the_dense_reference(model, dense, mode):
 def test_unknown_attention_is_refused(model):
   with pytest.raises(ValueError, match="attention must be one of"):
     Engine(model, None, attention="flash", **ENGINE_KW)
+
+
+def test_auto_attention_is_the_kernel_on_a_gpu_only(model):
+  from blink_jax.config import resolve_attention
+  assert resolve_attention("auto", "gpu") == "pallas"
+  assert resolve_attention("auto", "cpu") == "reference"
+  assert resolve_attention("reference", "gpu") == "reference"
+  with Engine(model, None, **ENGINE_KW) as eng:  # the default on this CPU
+    assert eng.executor.attention == "reference"
