@@ -145,6 +145,7 @@ def main(argv):
     blockers = sorted({l.split("] ")[-1] for l in eng.executor.compile_log.splitlines()
                        if "Unsupported thunk kind" in l or "not enabled by the user" in l})
     reports[mode] = {"loop_report": eng.loop_report, "command_buffer_blockers": blockers[:12],
+                     "attention": eng.executor.attention,  # what "auto" chose
                      "startup_s": round(time.perf_counter() - t, 1)}
     print(mode, reports[mode], flush=True)
     try:
