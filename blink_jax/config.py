@@ -116,18 +116,20 @@ def tiny_config(family: str = "gemma3", **kw: Any) -> ModelConfig:
   return base.replace(**small)
 
 
-# Paged-attention implementations an engine can run (Engine(attention=...)): the jnp
-# reference, the Pallas decode kernel (blink_jax.pallas_attention) for decode-sized buckets,
-# or "auto": the kernel on a GPU (H200, 1B shape: a batch-1 token 1.81 vs 1.87 ms, batch 64
-# 2.45 vs 3.05 ms; bench/results/executor_latency_attn_*_h200.json) and the reference
-# elsewhere (Pallas' interpreter is slow).
-ATTENTION_KINDS = ("auto", "reference", "pallas")
+# Implementations of a kernel family an engine can run: the jnp reference, the Pallas kernel,
+# or "auto": the Pallas kernel on a GPU and the reference elsewhere (Pallas' interpreter is
+# slow). Engine(attention=...): the paged decode attention (blink_jax.pallas_attention;
+# default auto: on the H200, 1B shape, a batch-1 token 1.81 vs 1.87 ms, batch 64 2.45 vs
+# 3.05 ms, bench/results/executor_latency_attn_*_h200.json). Engine(norm=...): the residual
+# add + RMSNorm pairs (blink_jax.pallas_norm; default reference until measured on a GPU).
+KERNEL_KINDS = ("auto", "reference", "pallas")
 
 
-def resolve_attention(kind: str, platform: str) -> str:
-  """The implementation `kind` means on a device of `platform` ("gpu", "cpu", ...)."""
-  if kind not in ATTENTION_KINDS:
-    raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {kind!r}")
+def resolve_kernel(kind: str, platform: str, what: str) -> str:
+  """The implementation `kind` of kernel family `what` means on a device of `platform`
+  ("gpu", "cpu", ...)."""
+  if kind not in KERNEL_KINDS:
+    raise ValueError(f"{what} must be one of {KERNEL_KINDS}, got {kind!r}")
   if kind == "auto":
     return "pallas" if platform == "gpu" else "reference"
   return kind

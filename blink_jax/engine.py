@@ -157,7 +157,7 @@ class Engine:
                idle_poll_us: int = 200, region: Any = None, model_name: str = "model",
                tokenizer_path: str | None = None, eos_ids: Sequence[int] | None = None,
                device: Any = None, frontend_workers: int = 0, fused_step: bool = False,
-               warm_up: bool | None = None, attention: str = "auto"):
+               warm_up: bool | None = None, attention: str = "auto", norm: str = "reference"):
     import jax
 
     from blink_jax import executor as X
@@ -165,7 +165,9 @@ class Engine:
 
     if mode not in ("persistent", "host"):
       raise ValueError(f"mode must be 'persistent' or 'host', got {mode!r}")
-    config.resolve_attention(attention, "")  # checks the name before the mailbox exists
+    # Names checked before the mailbox is allocated and registered.
+    config.resolve_kernel(attention, "", "attention")
+    config.resolve_kernel(norm, "", "norm")
     cfg = model.cfg
     if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
       raise ValueError(f"tokenizer has {tokenizer.vocab_size} pieces but the model only "
@@ -217,11 +219,12 @@ class Engine:
         page_size=page_size, num_pages=kv_pages, buckets=tuple(buckets),
         eos_ids=self.eos_ids, idle_poll_us=idle_poll_us)
     self.executor = X.Executor(model, self.sched, max_top_logprobs=max_top_logprobs,
-                               device=self.device, fused_step=fused_step, attention=attention)
+                               device=self.device, fused_step=fused_step, attention=attention,
+                               norm=norm)
     log.info("engine: model %s (%s, %d layers), dtype %s, device %s, mode %s, max_seqs %d, "
-             "kv pages %d x %d, buckets %s, attention %s", model_name, cfg.name,
+             "kv pages %d x %d, buckets %s, attention %s, norm %s", model_name, cfg.name,
              cfg.num_layers, model.dtype, self.device, mode, max_seqs, kv_pages, page_size,
-             list(buckets), self.executor.attention)
+             list(buckets), self.executor.attention, self.executor.norm)
     carry = self.executor.initial_carry()
     self.compiled = self.executor.compile(carry, mode)
     self.client = M.MailboxClient(self.region, frontend_workers, self.mailbox_workers)

@@ -29,7 +29,7 @@ from jax import lax
 from blink_jax import batch as B
 from blink_jax import config
 from blink_jax import ffi as F
-from blink_jax import pallas_attention
+from blink_jax import pallas_attention, pallas_norm
 from blink_jax.model import Gemma, init_kv_cache
 from blink_jax.sampling import sample, top_n
 
@@ -94,18 +94,21 @@ class Executor:
 
   def __init__(self, model: Gemma, sched: F.SchedConfig, *, max_top_logprobs: int,
                device: jax.Device | None = None, fused_step: bool = False,
-               attention: str = "auto"):
+               attention: str = "auto", norm: str = "reference"):
     """fused_step: one scheduler call per step (blink_step: commit, then the next schedule)
     instead of two (blink_schedule before the model, blink_commit after it).
     attention: "reference" (the jnp paged attention everywhere), "pallas" (the Pallas
     decode kernel for buckets of up to `pallas_attention.MAX_ROWS` tokens, the reference for
-    larger, prefill-sized buckets) or "auto" (pallas on a GPU, reference elsewhere)."""
+    larger, prefill-sized buckets) or "auto" (pallas on a GPU, reference elsewhere).
+    norm: the same choice for the residual add + RMSNorm pairs (`pallas_norm`; the default
+    stays "reference" until the kernel is measured on a GPU)."""
     F.register_targets()
     self.model = model
     self.sched = sched
     self.max_top = max_top_logprobs
     self.device = device or jax.devices()[0]
-    self.attention = config.resolve_attention(attention, self.device.platform)
+    self.attention = config.resolve_kernel(attention, self.device.platform, "attention")
+    self.norm = config.resolve_kernel(norm, self.device.platform, "norm")
     self.graphdef, params = nnx.split(model)
     # The weights travel as a flat tuple of arrays: jax dispatches a tuple of ~350 arrays in
     # ~70 us, the same leaves inside nnx.State objects in ~300 us (measured on CPU), a cost
@@ -160,7 +163,8 @@ class Executor:
       model = self._model(params)
       b = B.split(words, s.token_budget, s.max_seqs, rows, samples)
       hidden, kv = model.forward(b.tokens, b.positions, b.seq_ids, page_table, kv,
-                                 attention_fn=self._attention_fn(rows))
+                                 attention_fn=self._attention_fn(rows),
+                                 add_norm_fn=self._add_norm_fn())
       h = hidden[jnp.clip(b.rows, 0, rows - 1)]
       logits = model.logits(h)
       f32 = lambda bits: lax.bitcast_convert_type(bits, jnp.float32)
@@ -177,11 +181,15 @@ class Executor:
 
     return run
 
+  # A Pallas kernel is compiled by Triton on the GPU and run by Pallas' interpreter elsewhere
+  # (the CPU engine on a GPU machine too: the engine's device decides).
   def _attention_fn(self, rows: int):
-    # A Pallas kernel is compiled by Triton on the GPU and run by Pallas' interpreter
-    # elsewhere (the CPU engine on a GPU machine too: the engine's device decides).
     return pallas_attention.select(self.attention, rows,
                                    interpret=self.device.platform != "gpu")
+
+  def _add_norm_fn(self):
+    return pallas_norm.select(self.norm, self.model.cfg.d_model,
+                              interpret=self.device.platform != "gpu")
 
   def _prompt_logprobs(self, model, hidden, targets, zeros, rows: int):
     """Logprob (and top-n) of each row's target token under the model; only computed when

@@ -8,9 +8,12 @@ google-deepmind/gemma `gm/nn/_modules.py` and HF `modeling_gemma3.py`.
 Parameters are NNX Params laid out exactly as the tree of docs/CONTRACTS.md, so `to_params` /
 `from_params` are a key conversion away from `nnx.state`. Layers are a plain (unrolled) list.
 
-Two forwards share the per-layer math (`Block.qkv`, `Block.finish`) and differ only in
-attention: `forward` is the ragged paged step of the serving engine, `dense_forward` a plain
-causal forward over contiguous K/V that serves as its oracle.
+Two forwards share the layer stack (`Gemma._run_layers`) and differ only in attention:
+`forward` is the ragged paged step of the serving engine, `dense_forward` a plain causal
+forward over contiguous K/V that serves as its oracle. The stack is written as residual
+steps that each end in the next norm (`add_rms_norm`: a layer's post-attention add and its
+pre-FFW norm; its post-FFW add and the next layer's pre-attention norm), so a serving step
+can run each pair as one fused kernel (`blink_jax.pallas_norm`).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from blink_jax.config import ModelConfig
 
 KVCache = list[jax.Array]  # per layer kv_pages [P, page, 2 * K * h]: keys, then values
 AttentionFn = Callable[..., jax.Array]  # the signature of paged_attention_reference
+AddNormFn = Callable[..., tuple[jax.Array, jax.Array]]  # the signature of add_rms_norm
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -33,6 +37,14 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   xf = x.astype(jnp.float32)
   normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
   return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def add_rms_norm(x: jax.Array, branch: jax.Array, add_weight: jax.Array,
+                 next_weight: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+  """A residual step and the norm after it: x + rms_norm(branch, add_weight), and that sum
+  normed with next_weight (the input of the next sub-block)."""
+  x = x + rms_norm(branch, add_weight, eps)
+  return x, rms_norm(x, next_weight, eps)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, base: float, scale: float) -> jax.Array:
@@ -141,15 +153,13 @@ class Block(nnx.Module):
     self.mlp = MLP(cfg, param_dtype=param_dtype, rngs=rngs)
     self.eps = cfg.rms_norm_eps
 
-  def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Residual stream x [..., D] -> the attention inputs q, k, v."""
-    return self.attn.qkv(rms_norm(x, self.pre_attn_norm[...], self.eps), positions)
-
-  def finish(self, x: jax.Array, attn: jax.Array) -> jax.Array:
-    """Residual stream and attention output [..., H, h] -> the layer's output [..., D]."""
-    x = x + rms_norm(self.attn.out(attn), self.post_attn_norm[...], self.eps)
-    h = self.mlp(rms_norm(x, self.pre_ffw_norm[...], self.eps))
-    return x + rms_norm(h, self.post_ffw_norm[...], self.eps)
+  def ffw(self, x: jax.Array, attn: jax.Array,
+          add_norm: AddNormFn) -> tuple[jax.Array, jax.Array]:
+    """Residual stream and attention output [..., H, h] -> the residual stream after the
+    attention and the MLP's output (before its post-FFW norm and add)."""
+    x, y = add_norm(x, self.attn.out(attn), self.post_attn_norm[...], self.pre_ffw_norm[...],
+                    self.eps)
+    return x, self.mlp(y)
 
 
 class Gemma(nnx.Module):
@@ -207,24 +217,44 @@ class Gemma(nnx.Module):
 
   def forward(self, tokens: jax.Array, positions: jax.Array, seq_ids: jax.Array,
               page_table: jax.Array, kv_cache: KVCache,
-              attention_fn: AttentionFn | None = None) -> tuple[jax.Array, KVCache]:
+              attention_fn: AttentionFn | None = None,
+              add_norm_fn: AddNormFn | None = None) -> tuple[jax.Array, KVCache]:
     """One ragged paged step (docs/CONTRACTS.md): tokens/positions/seq_ids [T] int32,
     page_table [S, max_pages]. Every token writes its K/V, then attends to its sequence.
 
     Returns the final hidden states [T, D] (before the final norm; see `logits`) and the new
-    caches. `attention_fn` defaults to `paged_attention_reference`.
+    caches. `attention_fn` defaults to `paged_attention_reference`, `add_norm_fn` to
+    `add_rms_norm`.
     """
     attention_fn = paged_attention_reference if attention_fn is None else attention_fn
-    x = self.embed_tokens(tokens)
+    if len(kv_cache) != len(self.layers):
+      raise ValueError(f"{len(kv_cache)} KV caches for {len(self.layers)} layers")
     new_cache = []
-    for layer, kv_pages in zip(self.layers, kv_cache, strict=True):
-      q, k, v = layer.qkv(x, positions)
-      kv_pages = write_kv(kv_pages, k, v, page_table, seq_ids, positions)
-      attn = attention_fn(q, kv_pages, page_table, seq_ids, positions,
-                          **layer.attn.attention_kwargs())
-      x = layer.finish(x, attn)
+
+    def attend(i, layer, q, k, v):
+      kv_pages = write_kv(kv_cache[i], k, v, page_table, seq_ids, positions)
       new_cache.append(kv_pages)
+      return attention_fn(q, kv_pages, page_table, seq_ids, positions,
+                          **layer.attn.attention_kwargs())
+    x = self._run_layers(self.embed_tokens(tokens), positions, attend, add_norm_fn)
     return x, new_cache
+
+  def _run_layers(self, x: jax.Array, positions: jax.Array, attend: Callable[..., jax.Array],
+                  add_norm: AddNormFn | None) -> jax.Array:
+    """The decoder stack over embedded tokens x [..., D]; attend(i, layer, q, k, v) -> the
+    attention output of layer i. Returns the final residual stream (before the final norm)."""
+    add_norm = add_rms_norm if add_norm is None else add_norm
+    eps = self.cfg.rms_norm_eps
+    layers = list(self.layers)
+    y = rms_norm(x, layers[0].pre_attn_norm[...], eps)
+    for i, layer in enumerate(layers):
+      q, k, v = layer.attn.qkv(y, positions)
+      x, h = layer.ffw(x, attend(i, layer, q, k, v), add_norm)
+      if i + 1 < len(layers):
+        x, y = add_norm(x, h, layer.post_ffw_norm[...], layers[i + 1].pre_attn_norm[...], eps)
+      else:
+        x = x + rms_norm(h, layer.post_ffw_norm[...], eps)
+    return x
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """hidden [..., D] -> float32 logits [..., V]: final norm, tied head, final softcap."""
@@ -236,10 +266,10 @@ class Gemma(nnx.Module):
   def dense_forward(self, tokens: jax.Array) -> jax.Array:
     """Plain causal forward of tokens [B, L] from position 0 -> float32 logits [B, L, V]."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    x = self.embed_tokens(tokens)
-    for layer in self.layers:
-      q, k, v = layer.qkv(x, positions)
-      x = layer.finish(x, dense_attention(q, k, v, **layer.attn.attention_kwargs()))
+    x = self._run_layers(
+        self.embed_tokens(tokens), positions,
+        lambda i, layer, q, k, v: dense_attention(q, k, v, **layer.attn.attention_kwargs()),
+        None)
     return self.logits(x)
 
 

@@ -50,7 +50,7 @@ _LOG2E = math.log2(math.e)
 def select(kind: str, rows: int, *, interpret: bool | None = None):
   """The attention function for a step of `rows` tokens: this kernel for kind "pallas" and
   buckets up to MAX_ROWS tokens, the jnp reference otherwise (prefill-sized buckets, where
-  every token would re-read its whole context). kind: resolved (`config.resolve_attention`)."""
+  every token would re-read its whole context). kind: resolved (`config.resolve_kernel`)."""
   if kind not in ("reference", "pallas"):
     raise ValueError(f"attention kind must be resolved to 'reference' or 'pallas', got {kind!r}")
   if kind == "pallas" and rows <= MAX_ROWS:

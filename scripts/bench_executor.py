@@ -34,8 +34,10 @@ flags.DEFINE_integer("page_size", 16, "KV page size")
 flags.DEFINE_list("buckets", ["1", "8", "64", "256"], "token buckets")
 flags.DEFINE_string("out", "bench/results/executor_latency.json", "JSON result file")
 flags.DEFINE_bool("fused", False, "one scheduler call per step (blink_step)")
-flags.DEFINE_enum("attention", "auto", config.ATTENTION_KINDS,
+flags.DEFINE_enum("attention", "auto", config.KERNEL_KINDS,
                   "paged attention of buckets up to 64 tokens (Engine(attention=...))")
+flags.DEFINE_enum("norm", "reference", config.KERNEL_KINDS,
+                  "residual add + RMSNorm pairs (Engine(norm=...))")
 flags.DEFINE_enum("warm_up", "workload", ["workload", "shutdown"],
                   "before serving, run every bucket branch once (workload) or only one "
                   "schedule (shutdown) in XLA's op-by-op first execution (docs/NOTES.md, 16)")
@@ -62,7 +64,7 @@ def build_engine(mode: str, max_seqs: int):
                region=region,
                max_context=ctx, num_slots=max(2 * max_seqs, 8), ring_capacity=64,
                max_top_logprobs=0, buckets=buckets, idle_poll_us=50, fused_step=FLAGS.fused,
-               attention=FLAGS.attention, warm_up=FLAGS.warm_up == "workload",
+               attention=FLAGS.attention, norm=FLAGS.norm, warm_up=FLAGS.warm_up == "workload",
                kv_pages=max_seqs * (-(-ctx // FLAGS.page_size)) + 8)
   eng.shm = shm
   return eng, cfg
@@ -145,7 +147,8 @@ def main(argv):
     blockers = sorted({l.split("] ")[-1] for l in eng.executor.compile_log.splitlines()
                        if "Unsupported thunk kind" in l or "not enabled by the user" in l})
     reports[mode] = {"loop_report": eng.loop_report, "command_buffer_blockers": blockers[:12],
-                     "attention": eng.executor.attention,  # what "auto" chose
+                     # what "auto" chose
+                     "attention": eng.executor.attention, "norm": eng.executor.norm,
                      "startup_s": round(time.perf_counter() - t, 1)}
     print(mode, reports[mode], flush=True)
     try:
@@ -173,7 +176,7 @@ def main(argv):
                  {"config": FLAGS.config, "dtype": FLAGS.dtype, "prompt": FLAGS.prompt,
                   "tokens": FLAGS.tokens, "modes": reports, "cpus": len(cpus),
                   "fused_step": FLAGS.fused, "warm_up": FLAGS.warm_up,
-                  "attention": FLAGS.attention,
+                  "attention": FLAGS.attention, "norm": FLAGS.norm,
                   "host_min_graph_size": xla_flags.HOST_MIN_GRAPH_SIZE})
 
 

@@ -18,7 +18,7 @@ from absl import app, flags
 from flax import nnx
 from jax import lax
 
-from blink_jax import config, pallas_attention, xla_flags
+from blink_jax import config, pallas_attention, pallas_norm, xla_flags
 from scripts import bench_common as C
 
 FLAGS = flags.FLAGS
@@ -29,8 +29,9 @@ flags.DEFINE_list("prefill", ["128", "1024", "4096"], "prompt lengths for prefil
 flags.DEFINE_integer("steps", 50, "steps per timed device loop")
 flags.DEFINE_integer("repeats", 3, "timed loops per point (median and spread reported)")
 flags.DEFINE_integer("page_size", 16, "KV page size")
-flags.DEFINE_enum("attention", "auto", config.ATTENTION_KINDS,
+flags.DEFINE_enum("attention", "auto", config.KERNEL_KINDS,
                   "paged attention of decode steps (prefill always uses the reference)")
+flags.DEFINE_enum("norm", "reference", config.KERNEL_KINDS, "residual add + RMSNorm pairs")
 flags.DEFINE_bool("scheduler", True, "also time schedule+commit and an empty loop iteration")
 flags.DEFINE_string("out", "bench/results/step.json", "JSON result file")
 flags.DEFINE_integer("copy_elems", 1 << 31, "bf16 elements of the bandwidth probe")
@@ -67,12 +68,16 @@ def step_loop(model, n_tokens: int, n_seqs: int, steps: int):
   """A jitted loop of `steps` model steps over n_tokens rows of n_seqs sequences."""
   graphdef, params = nnx.split(model)
 
-  attention = pallas_attention.select(  # as the executor's buckets
-      config.resolve_attention(FLAGS.attention, jax.devices()[0].platform), n_tokens)
+  platform = jax.devices()[0].platform  # the executor's choices for this bucket
+  attention = pallas_attention.select(
+      config.resolve_kernel(FLAGS.attention, platform, "attention"), n_tokens)
+  add_norm = pallas_norm.select(config.resolve_kernel(FLAGS.norm, platform, "norm"),
+                                model.cfg.d_model)
 
   def one(params, kv, tokens, positions, seq_ids, pt):
     m = nnx.merge(graphdef, params)
-    hidden, kv = m.forward(tokens, positions, seq_ids, pt, kv, attention_fn=attention)
+    hidden, kv = m.forward(tokens, positions, seq_ids, pt, kv, attention_fn=attention,
+                           add_norm_fn=add_norm)
     last = hidden[jnp.arange(n_seqs) * (n_tokens // n_seqs) + n_tokens // n_seqs - 1]
     nxt = jnp.argmax(m.logits(last), axis=-1).astype(jnp.int32)
     return kv, nxt
@@ -161,7 +166,8 @@ def main(argv):
                        "tokens_per_s"]))
   C.write_result(FLAGS.out, "step", rows, {"config": FLAGS.config, "copy_bytes_per_s": bw,
                                           "matmul_flop_per_s": flops,
-                                          "attention": FLAGS.attention})
+                                          "attention": FLAGS.attention,
+                                          "norm": FLAGS.norm})
 
 
 if __name__ == "__main__":

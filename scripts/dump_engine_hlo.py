@@ -16,7 +16,8 @@ from hlo_kernels import switch_branches
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "gemma3-270m", "model config name, or 'tiny'")
 flags.DEFINE_string("out", "/tmp/loop_hlo.txt", "HLO text file")
-flags.DEFINE_enum("attention", "auto", config.ATTENTION_KINDS, "Engine(attention=...)")
+flags.DEFINE_enum("attention", "auto", config.KERNEL_KINDS, "Engine(attention=...)")
+flags.DEFINE_enum("norm", "reference", config.KERNEL_KINDS, "Engine(norm=...)")
 
 
 def main(argv):
@@ -31,7 +32,8 @@ def main(argv):
   cfg = tiny_config("gemma3") if FLAGS.config == "tiny" else get_config(FLAGS.config)
   model = Gemma(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   with Engine(model, None, max_seqs=64, max_context=1216, page_size=16, num_slots=128,
-              buckets=(1, 8, 64), max_top_logprobs=0, attention=FLAGS.attention) as eng:
+              buckets=(1, 8, 64), max_top_logprobs=0, attention=FLAGS.attention,
+              norm=FLAGS.norm) as eng:
     text = eng.compiled.as_text()
     print("loop report", eng.loop_report)
   with open(FLAGS.out, "w") as f:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA handlers, run the GPU tests, run the benchmarks.
-# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hlo|dotsr|xlaflags|pallas|hostdiag|hostgraph|hf|serving|step|all]...
+# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hlo|dotsr|xlaflags|pallas|norm|hostdiag|hostgraph|hf|serving|step|all]...
 # Results: bench/results/*.json (commit them) and copies plus logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,7 +55,7 @@ fi
 
 if has tests; then
   log "gpu tests"
-  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu ${GPU_TESTS:-tests/test_scheduler_backends.py tests/test_engine_gpu.py tests/test_device_region.py tests/test_pallas_attention.py} \
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu ${GPU_TESTS:-tests/test_scheduler_backends.py tests/test_engine_gpu.py tests/test_device_region.py tests/test_pallas_attention.py tests/test_pallas_norm.py} \
     -q -s -p no:cacheprovider 2>&1 | tail -40 | tee -a "$OUT/log.txt"
 fi
 if has diag; then
@@ -149,6 +149,13 @@ if has pallas; then
     name=attn_$a; [ $a = pallas ] && name=attn_pallas_s$splits
     BLINK_PALLAS_MAX_SPLITS=$splits exec_bench $name 6 --batches 1,64 --modes persistent \
       --interference $inter --attention $a
+  done
+fi
+if has norm; then
+  log "Pallas residual add + RMSNorm: kernels per branch and per-token latency vs XLA's norms"
+  dump_hlo norm --norm pallas
+  for n in ${NORM_VARIANTS:-reference pallas}; do
+    exec_bench norm_$n 6 --batches 1,64 --modes persistent --interference 0 --norm $n
   done
 fi
 if has hostdiag; then

@@ -54,10 +54,13 @@ flags.DEFINE_string("api_key", None, "Require 'Authorization: Bearer KEY' on /v1
 flags.DEFINE_enum("mode", "persistent", ["persistent", "host"],
                   "persistent: the serving loop runs on the device; host: the host drives "
                   "each step (for comparison).")
-flags.DEFINE_enum("attention", "auto", config.ATTENTION_KINDS,
+flags.DEFINE_enum("attention", "auto", config.KERNEL_KINDS,
                   "Paged attention of decode-sized steps: the jnp reference, the Pallas "
                   "kernel that reads KV pages in place (fewer kernels per step), or auto: "
                   "the kernel on a GPU, the reference elsewhere.")
+flags.DEFINE_enum("norm", "reference", config.KERNEL_KINDS,
+                  "Residual add + RMSNorm pairs: the jnp reference or one Pallas kernel per "
+                  "pair (auto: the kernel on a GPU); not yet measured on a GPU.")
 flags.DEFINE_string("shm_name", None, "Name of the mailbox's shared memory (default: random).")
 flags.DEFINE_string("relay_host", "127.0.0.1", "Address of the tcp relay (--transport tcp).")
 flags.DEFINE_integer("relay_port", 0, "Port of the tcp relay (0: any free port).")
@@ -275,7 +278,7 @@ def make_engine(Engine):
   from blink_jax import protocol as P
   from nic_frontend.transports import shm
 
-  kw = dict(dtype=FLAGS.dtype, mode=FLAGS.mode, attention=FLAGS.attention)
+  kw = dict(dtype=FLAGS.dtype, mode=FLAGS.mode, attention=FLAGS.attention, norm=FLAGS.norm)
   if FLAGS.tokenizer:
     kw["tokenizer_path"] = FLAGS.tokenizer
   for name in ("max_seqs", "kv_pages", "max_context"):

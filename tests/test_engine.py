@@ -318,28 +318,33 @@ def test_fused_step_equals_the_dense_reference(model, dense, mode):
     assert eng.stats()["pages_in_use"] == 0
 
 
-@pytest.mark.parametrize("mode", ["persistent", "host"])
-def test_pallas_attention_equals_the_dense_reference(model, dense, mode):
+@pytest.mark.parametrize("mode,norm", [("persistent", "reference"), ("host", "reference"),
+                                       ("persistent", "pallas"), ("host", "pallas")])
+def test_pallas_kernels_equal_the_dense_reference(model, dense, mode, norm):
   # Every bucket of ENGINE_KW is decode-sized (<= 64 tokens), so prefill chunks and decode
-  # steps alike run the Pallas kernel (Pallas' interpreter on CPU).
+  # steps alike run the Pallas attention, and with norm="pallas" the add + norm kernel too
+  # (Pallas' interpreter on CPU).
   prompts = [[3, 4, 5], [6] * 20, list(range(10, 50))]
   want = [dense(p, 6) for p in prompts]
-  with Engine(model, None, mode=mode, attention="pallas", **ENGINE_KW) as eng:
+  with Engine(model, None, mode=mode, attention="pallas", norm=norm, **ENGINE_KW) as eng:
+    assert (eng.executor.attention, eng.executor.norm) == ("pallas", norm)
     outs = eng.generate(prompt_token_ids=prompts,
                         sampling=SamplingParams(max_tokens=6, ignore_eos=True))
     assert [o.token_ids for o in outs] == want
     assert eng.stats()["pages_in_use"] == 0
 
 
-def test_unknown_attention_is_refused(model):
+def test_unknown_kernels_are_refused(model):
   with pytest.raises(ValueError, match="attention must be one of"):
     Engine(model, None, attention="flash", **ENGINE_KW)
+  with pytest.raises(ValueError, match="norm must be one of"):
+    Engine(model, None, norm="fused", **ENGINE_KW)
 
 
 def test_auto_attention_is_the_kernel_on_a_gpu_only(model):
-  from blink_jax.config import resolve_attention
-  assert resolve_attention("auto", "gpu") == "pallas"
-  assert resolve_attention("auto", "cpu") == "reference"
-  assert resolve_attention("reference", "gpu") == "reference"
+  from blink_jax.config import resolve_kernel
+  assert resolve_kernel("auto", "gpu", "attention") == "pallas"
+  assert resolve_kernel("auto", "cpu", "attention") == "reference"
+  assert resolve_kernel("reference", "gpu", "attention") == "reference"
   with Engine(model, None, **ENGINE_KW) as eng:  # the default on this CPU
     assert eng.executor.attention == "reference"
