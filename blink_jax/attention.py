@@ -30,9 +30,15 @@ def apply_softcap(x: jax.Array, cap: float | None) -> jax.Array:
   return cap * jnp.tanh(x / cap)
 
 
-def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, page_table: jax.Array,
+def kv_rows(k: jax.Array, v: jax.Array) -> jax.Array:
+  """k, v [T, K, h] -> each token's cache row [T, 2 * K * h]: its keys, then its values."""
+  return jnp.concatenate([k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)], axis=1)
+
+
+def write_kv(kv_pages: jax.Array, rows: jax.Array, page_table: jax.Array,
              seq_ids: jax.Array, positions: jax.Array) -> jax.Array:
-  """Writes k, v [T, K, h] of each token at its (sequence, position) row of the pages.
+  """Writes each token's cache row (rows [T, 2 * K * h], `kv_rows`) at its (sequence,
+  position) row of the pages.
 
   Rows with seq_id < 0 (padding), a position past the page table or an out-of-range page id
   are dropped, not written (rather than overwriting some other slot).
@@ -47,7 +53,6 @@ def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, page_table: jax.Ar
   valid &= (page >= 0) & (page < num_pages)
   # An index one past the end is dropped by mode="drop" (a negative one would wrap around).
   slot = jnp.where(valid, page * page_size + positions % page_size, num_pages * page_size)
-  rows = jnp.concatenate([k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)], axis=1)
   flat = kv_pages.reshape(num_pages * page_size, width)
   flat = flat.at[slot].set(rows.astype(kv_pages.dtype), mode="drop")
   return flat.reshape(kv_pages.shape)

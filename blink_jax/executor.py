@@ -12,6 +12,7 @@ conventional design of JetStream and vLLM); the baseline every benchmark compare
 from __future__ import annotations
 
 import contextlib
+import functools
 import dataclasses
 import logging
 import os
@@ -89,6 +90,24 @@ def commit_call(cfg: F.SchedConfig, state, history, page_table, words, sampled, 
       row_top_ids, row_top_lps, **cfg.attrs())
 
 
+def step_kernels(cfg, attention: str, norm: str, rows: int, *, interpret: bool) -> dict:
+  """`Gemma.forward`'s kernel functions for a step of `rows` tokens, given the resolved
+  kinds (`config.resolve_kernel`). A Pallas kernel is compiled by Triton on the GPU and run
+  by Pallas' interpreter elsewhere (interpret: the engine's device decides, so a CPU engine
+  on a GPU machine interprets). With both kinds "pallas" the q/k kernel hands the attention
+  its query grouped by KV head and padded."""
+  attention_fn = pallas_attention.select(attention, rows, interpret=interpret)
+  group = cfg.num_heads // cfg.num_kv_heads
+  grouped = norm == "pallas" and pallas_attention.uses_kernel(attention, rows)
+  if grouped:
+    attention_fn = functools.partial(attention_fn, group=group)
+  prepare_fn = pallas_norm.select_prepare(
+      norm, query_rows=pallas_attention.query_rows(group) if grouped else None,
+      interpret=interpret)
+  return dict(attention_fn=attention_fn, prepare_fn=prepare_fn,
+              add_norm_fn=pallas_norm.select(norm, cfg.d_model, interpret=interpret))
+
+
 class Executor:
   """Owns the device state and runs the serving loop over one mailbox."""
 
@@ -163,8 +182,8 @@ class Executor:
       model = self._model(params)
       b = B.split(words, s.token_budget, s.max_seqs, rows, samples)
       hidden, kv = model.forward(b.tokens, b.positions, b.seq_ids, page_table, kv,
-                                 attention_fn=self._attention_fn(rows),
-                                 add_norm_fn=self._add_norm_fn())
+                                 **step_kernels(model.cfg, self.attention, self.norm, rows,
+                                                interpret=self.device.platform != "gpu"))
       h = hidden[jnp.clip(b.rows, 0, rows - 1)]
       logits = model.logits(h)
       f32 = lambda bits: lax.bitcast_convert_type(bits, jnp.float32)
@@ -180,16 +199,6 @@ class Executor:
               jnp.pad(rid, ((0, rpad), (0, 0))), jnp.pad(rtl, ((0, rpad), (0, 0))), kv)
 
     return run
-
-  # A Pallas kernel is compiled by Triton on the GPU and run by Pallas' interpreter elsewhere
-  # (the CPU engine on a GPU machine too: the engine's device decides).
-  def _attention_fn(self, rows: int):
-    return pallas_attention.select(self.attention, rows,
-                                   interpret=self.device.platform != "gpu")
-
-  def _add_norm_fn(self):
-    return pallas_norm.select(self.norm, self.model.cfg.d_model,
-                              interpret=self.device.platform != "gpu")
 
   def _prompt_logprobs(self, model, hidden, targets, zeros, rows: int):
     """Logprob (and top-n) of each row's target token under the model; only computed when

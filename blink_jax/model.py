@@ -24,12 +24,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from blink_jax.attention import MASK_VALUE, apply_softcap, paged_attention_reference, write_kv
+from blink_jax.attention import (MASK_VALUE, apply_softcap, kv_rows, paged_attention_reference,
+                                 write_kv)
 from blink_jax.config import ModelConfig
 
 KVCache = list[jax.Array]  # per layer kv_pages [P, page, 2 * K * h]: keys, then values
 AttentionFn = Callable[..., jax.Array]  # the signature of paged_attention_reference
 AddNormFn = Callable[..., tuple[jax.Array, jax.Array]]  # the signature of add_rms_norm
+PrepareFn = Callable[..., tuple[jax.Array, jax.Array]]  # the signature of prepare_qkv
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -47,19 +49,48 @@ def add_rms_norm(x: jax.Array, branch: jax.Array, add_weight: jax.Array,
   return x, rms_norm(x, next_weight, eps)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, base: float, scale: float) -> jax.Array:
-  """Rotary embedding of x [..., N, h] at positions [...], "rotate_half" convention.
-
-  Dimension i of the first half pairs with dimension i + h/2 (not the interleaved
-  convention). `scale` divides positions (linear RoPE scaling). Computed in float32.
-  """
-  head_dim = x.shape[-1]
+def rope_tables(positions: jax.Array, head_dim: int, base: float,
+                scale: float) -> tuple[jax.Array, jax.Array]:
+  """cos and sin [..., h/2] (float32) of the rotary angles at positions [...]: dimension i of
+  the first half pairs with i + h/2 ("rotate_half", not the interleaved convention);
+  `scale` divides positions (linear RoPE scaling)."""
   inv_freq = 1.0 / base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-  angles = (positions.astype(jnp.float32) / scale)[..., None, None] * inv_freq  # [..., 1, h/2]
-  sin, cos = jnp.sin(angles), jnp.cos(angles)
+  angles = (positions.astype(jnp.float32) / scale)[..., None] * inv_freq
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """Rotary embedding of x [..., N, h] with `rope_tables` [..., h/2], in float32."""
+  cos, sin = cos[..., None, :], sin[..., None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
+
+
+def qk_norm_rope(q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array,
+                 q_weight: jax.Array | None, k_weight: jax.Array | None,
+                 eps: float) -> tuple[jax.Array, jax.Array]:
+  """q [..., H, h], k [..., K, h] -> both RMS-normed per head (Gemma 3; skipped when the
+  weights are None) and rotated. Query and key heads go through as one [..., H + K, h] array:
+  the same math per head, but one reduction and one elementwise kernel per layer instead of
+  one each (a batch-1 step is bound by its kernel count, docs/NOTES.md finding 20)."""
+  n, h = q.shape[-2:]
+  qk = jnp.concatenate([q, k], axis=-2)
+  if q_weight is not None:
+    weight = jnp.concatenate([jnp.broadcast_to(q_weight, (n, h)),
+                              jnp.broadcast_to(k_weight, (k.shape[-2], h))])
+    qk = rms_norm(qk, weight, eps)
+  qk = apply_rope(qk, cos, sin)
+  return qk[..., :n, :], qk[..., n:, :]
+
+
+def prepare_qkv(q: jax.Array, k: jax.Array, v: jax.Array, cos: jax.Array, sin: jax.Array,
+                q_weight: jax.Array | None, k_weight: jax.Array | None,
+                eps: float) -> tuple[jax.Array, jax.Array]:
+  """The projections of a ragged step, q [T, H, h], k, v [T, K, h] -> the attention's query
+  (`qk_norm_rope`) and each token's cache row [T, 2 * K * h] (keys, then values)."""
+  q, k = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)
+  return q, kv_rows(k, v)
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype: Any) -> nnx.Param:
@@ -94,20 +125,24 @@ class Attention(nnx.Module):
     """The keyword arguments of an attention function for this layer."""
     return dict(window=self.window, softcap=self.softcap, scale=self.scale)
 
+  def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [..., D] -> q [..., H, h], k, v [..., K, h] (before norms and RoPE)."""
+    return tuple(_project(x, w[...].astype(x.dtype)) for w in (self.q, self.k, self.v))
+
+  def rope_tables(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return rope_tables(positions, self.q.shape[-1], self.rope_base, self.rope_scale)
+
+  def norm_weights(self) -> tuple[jax.Array | None, jax.Array | None]:
+    """The q and k RMSNorm weights (Gemma 3), or None twice (Gemma 2)."""
+    if not self.use_qk_norm:
+      return None, None
+    return self.q_norm[...], self.k_norm[...]
+
   def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [..., D] -> q [..., H, h], k, v [..., K, h]; q and k normed (Gemma 3) and rotated."""
-    q, k, v = (_project(x, w[...].astype(x.dtype)) for w in (self.q, self.k, self.v))
-    # Query and key heads are normed and rotated as one [..., H + K, h] array: the same math
-    # per head, but one reduction and one elementwise kernel per layer instead of one each
-    # for q and k (a batch-1 step is bound by its kernel count, docs/NOTES.md finding 20).
-    n, h = q.shape[-2:]
-    qk = jnp.concatenate([q, k], axis=-2)
-    if self.use_qk_norm:
-      weight = jnp.concatenate([jnp.broadcast_to(self.q_norm[...], (n, h)),
-                                jnp.broadcast_to(self.k_norm[...], (k.shape[-2], h))])
-      qk = rms_norm(qk, weight, self.eps)
-    qk = apply_rope(qk, positions, self.rope_base, self.rope_scale)
-    return qk[..., :n, :], qk[..., n:, :], v
+    q, k, v = self.project(x)
+    q, k = qk_norm_rope(q, k, *self.rope_tables(positions), *self.norm_weights(), self.eps)
+    return q, k, v
 
   def out(self, attn: jax.Array) -> jax.Array:
     """attn [..., H, h] -> [..., D]."""
@@ -218,38 +253,48 @@ class Gemma(nnx.Module):
   def forward(self, tokens: jax.Array, positions: jax.Array, seq_ids: jax.Array,
               page_table: jax.Array, kv_cache: KVCache,
               attention_fn: AttentionFn | None = None,
-              add_norm_fn: AddNormFn | None = None) -> tuple[jax.Array, KVCache]:
+              add_norm_fn: AddNormFn | None = None,
+              prepare_fn: PrepareFn | None = None) -> tuple[jax.Array, KVCache]:
     """One ragged paged step (docs/CONTRACTS.md): tokens/positions/seq_ids [T] int32,
     page_table [S, max_pages]. Every token writes its K/V, then attends to its sequence.
 
     Returns the final hidden states [T, D] (before the final norm; see `logits`) and the new
-    caches. `attention_fn` defaults to `paged_attention_reference`, `add_norm_fn` to
-    `add_rms_norm`.
+    caches. The kernels default to the jnp math: `attention_fn` to
+    `paged_attention_reference`, `add_norm_fn` to `add_rms_norm`, `prepare_fn` (projections
+    -> the attention's query and the cache rows) to `prepare_qkv`; a faster set must agree
+    on the query's layout (`pallas_norm.prepare_qkv` can hand the Pallas attention its query
+    already grouped and padded).
     """
     attention_fn = paged_attention_reference if attention_fn is None else attention_fn
+    prepare_fn = prepare_qkv if prepare_fn is None else prepare_fn
     if len(kv_cache) != len(self.layers):
       raise ValueError(f"{len(kv_cache)} KV caches for {len(self.layers)} layers")
     new_cache = []
+    tables = {}  # (base, scale) -> cos, sin: computed once per step, not once per layer
 
-    def attend(i, layer, q, k, v):
-      kv_pages = write_kv(kv_cache[i], k, v, page_table, seq_ids, positions)
+    def attend(i, layer, y):
+      attn = layer.attn
+      key = (attn.rope_base, attn.rope_scale)
+      if key not in tables:
+        tables[key] = attn.rope_tables(positions)
+      q, rows = prepare_fn(*attn.project(y), *tables[key], *attn.norm_weights(), attn.eps)
+      kv_pages = write_kv(kv_cache[i], rows, page_table, seq_ids, positions)
       new_cache.append(kv_pages)
-      return attention_fn(q, kv_pages, page_table, seq_ids, positions,
-                          **layer.attn.attention_kwargs())
-    x = self._run_layers(self.embed_tokens(tokens), positions, attend, add_norm_fn)
+      return attention_fn(q, kv_pages, page_table, seq_ids, positions, **attn.attention_kwargs())
+    x = self._run_layers(self.embed_tokens(tokens), attend, add_norm_fn)
     return x, new_cache
 
-  def _run_layers(self, x: jax.Array, positions: jax.Array, attend: Callable[..., jax.Array],
+  def _run_layers(self, x: jax.Array, attend: Callable[..., jax.Array],
                   add_norm: AddNormFn | None) -> jax.Array:
-    """The decoder stack over embedded tokens x [..., D]; attend(i, layer, q, k, v) -> the
-    attention output of layer i. Returns the final residual stream (before the final norm)."""
+    """The decoder stack over embedded tokens x [..., D]; attend(i, layer, y) -> the
+    attention output of layer i for its normed input y. Returns the final residual stream
+    (before the final norm)."""
     add_norm = add_rms_norm if add_norm is None else add_norm
     eps = self.cfg.rms_norm_eps
     layers = list(self.layers)
     y = rms_norm(x, layers[0].pre_attn_norm[...], eps)
     for i, layer in enumerate(layers):
-      q, k, v = layer.attn.qkv(y, positions)
-      x, h = layer.ffw(x, attend(i, layer, q, k, v), add_norm)
+      x, h = layer.ffw(x, attend(i, layer, y), add_norm)
       if i + 1 < len(layers):
         x, y = add_norm(x, h, layer.post_ffw_norm[...], layers[i + 1].pre_attn_norm[...], eps)
       else:
@@ -266,10 +311,9 @@ class Gemma(nnx.Module):
   def dense_forward(self, tokens: jax.Array) -> jax.Array:
     """Plain causal forward of tokens [B, L] from position 0 -> float32 logits [B, L, V]."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    x = self._run_layers(
-        self.embed_tokens(tokens), positions,
-        lambda i, layer, q, k, v: dense_attention(q, k, v, **layer.attn.attention_kwargs()),
-        None)
+    def attend(i, layer, y):
+      return dense_attention(*layer.attn.qkv(y, positions), **layer.attn.attention_kwargs())
+    x = self._run_layers(self.embed_tokens(tokens), attend, None)
     return self.logits(x)
 
 

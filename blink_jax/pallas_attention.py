@@ -47,13 +47,24 @@ _MERGE_ELEMENTS = 16 * 1024
 _LOG2E = math.log2(math.e)
 
 
-def select(kind: str, rows: int, *, interpret: bool | None = None):
-  """The attention function for a step of `rows` tokens: this kernel for kind "pallas" and
-  buckets up to MAX_ROWS tokens, the jnp reference otherwise (prefill-sized buckets, where
-  every token would re-read its whole context). kind: resolved (`config.resolve_kernel`)."""
+def query_rows(group: int) -> int:
+  """Rows of the kernel's query block for `group` query heads per KV head (a power of two,
+  at least Triton's 16): the layout `pallas_norm.prepare_qkv(query_rows=...)` can write."""
+  return max(_MIN_ROWS, pl.next_power_of_2(group))
+
+
+def uses_kernel(kind: str, rows: int) -> bool:
+  """Whether a step of `rows` tokens runs this kernel: kind "pallas" and buckets up to
+  MAX_ROWS tokens; the jnp reference otherwise (prefill-sized buckets, where every token
+  would re-read its whole context). kind: resolved (`config.resolve_kernel`)."""
   if kind not in ("reference", "pallas"):
     raise ValueError(f"attention kind must be resolved to 'reference' or 'pallas', got {kind!r}")
-  if kind == "pallas" and rows <= MAX_ROWS:
+  return kind == "pallas" and rows <= MAX_ROWS
+
+
+def select(kind: str, rows: int, *, interpret: bool | None = None):
+  """The attention function for a step of `rows` tokens (see `uses_kernel`)."""
+  if uses_kernel(kind, rows):
     return functools.partial(paged_decode_attention, interpret=interpret)
   return paged_attention_reference
 
@@ -132,14 +143,17 @@ def default_splits(tokens: int, num_kv_heads: int, num_blocks: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("window", "softcap", "scale", "pages_per_block",
-                                             "splits", "interpret"))
+                                             "splits", "group", "interpret"))
 def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array,
                            seq_ids: jax.Array, positions: jax.Array, *, window: int | None,
                            softcap: float | None, scale: float,
                            pages_per_block: int | None = None, splits: int | None = None,
+                           group: int | None = None,
                            interpret: bool | None = None) -> jax.Array:
   """Attention of each token q [T, H, h] over its sequence's cached keys, read in place from
-  kv_pages [P, page_size, 2 * K * h] (see `attention.paged_attention_reference`).
+  kv_pages [P, page_size, 2 * K * h] (see `attention.paged_attention_reference`). q may
+  also come grouped by KV head and padded, [T, K, query_rows(G), h] with `group` = G query
+  heads per KV head (`pallas_norm.prepare_qkv` writes it so): no padding kernel then.
 
   pages_per_block: pages per inner step (x page_size keys per dot; a power of two; default:
   tiles of at most _TILE_BYTES, at least 16 keys); splits: programs that share one token's
@@ -149,12 +163,23 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
   explicitly when computing on another device)."""
   if interpret is None:
     interpret = jax.devices()[0].platform != "gpu"
-  tokens, num_heads, head_dim = q.shape
+  grouped = q.ndim == 4
+  if grouped:
+    if group is None or q.shape[2] != query_rows(group):
+      raise ValueError(f"a grouped query {q.shape} needs group with query_rows(group) == "
+                       f"{q.shape[2]}, got group {group}")
+    tokens, _, _, head_dim = q.shape
+    num_heads = q.shape[1] * group
+  else:
+    tokens, num_heads, head_dim = q.shape
   num_pages, page_size, kv_width = kv_pages.shape
   num_kv_heads = kv_width // (2 * head_dim)
   if not num_kv_heads or num_heads % num_kv_heads or kv_width % (2 * head_dim):
     raise ValueError(f"{num_heads} query heads and KV width {kv_width} (keys and values) do "
                      f"not match head_dim {head_dim}")
+  if grouped and q.shape[1] != num_kv_heads:
+    raise ValueError(f"a grouped query {q.shape} has {q.shape[1]} KV heads, the cache "
+                     f"{num_kv_heads}")
   group = num_heads // num_kv_heads
   if pages_per_block is None:
     tile_pages = _TILE_BYTES // (kv_pages.dtype.itemsize * head_dim * page_size)
@@ -166,7 +191,7 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
     splits = default_splits(tokens, num_kv_heads, pl.cdiv(max_pages, pages_per_block))
   if splits < 1 or splits & (splits - 1):
     raise ValueError(f"splits must be a power of two, got {splits}")
-  rows = max(_MIN_ROWS, pl.next_power_of_2(group))
+  rows = query_rows(group)
   # Triton blocks are powers of two: the page list is padded to one that holds any block
   # starting before its end.
   width = pl.next_power_of_2(max_pages + pages_per_block)
@@ -180,8 +205,11 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
   pos = jnp.where(valid, jnp.minimum(positions, max_pages * page_size - 1), -1)
   first = jnp.zeros_like(pos) if window is None else jnp.maximum(pos - window + 1, 0) // page_size
   bounds = jnp.stack([pos, first], axis=1).astype(jnp.int32)
-  qg = q.reshape(tokens, num_kv_heads, group, head_dim)
-  qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+  if grouped:
+    qg = q
+  else:
+    qg = q.reshape(tokens, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
 
   kernel = functools.partial(_kernel, pages_per_block=pages_per_block, splits=splits,
                              window=window, softcap=softcap, scale=scale)

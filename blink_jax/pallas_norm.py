@@ -1,5 +1,6 @@
-"""Gemma's residual add and the RMSNorm after it (`model.add_rms_norm`) as one Pallas kernel
-(Triton on the GPU).
+"""Gemma's norm steps as Pallas kernels (Triton on the GPU): the residual add and the RMSNorm
+after it (`model.add_rms_norm`), and the q/k RMSNorm + RoPE + cache row of a step's
+projections (`model.prepare_qkv`).
 
 A Gemma layer has two such steps (the post-attention add with the pre-FFW norm, the
 post-FFW add with the next layer's pre-attention norm). At batch 1 XLA compiles each into
@@ -12,6 +13,12 @@ norms in registers.
 
 Same math as `model.add_rms_norm`: float32 norms, the normed branch rounded to the
 activation dtype before the add, the sum rounded before it is normed again.
+
+Between the QKV projection and the attention XLA runs five kernels per layer at batch 1
+(the q/k sums of squares, the k and the q norm + RoPE, the keys and values concatenated
+into the cache row, the query padded for the Pallas attention); `prepare_qkv` is one
+launch, a program per token, that writes the cache row and the query already grouped by
+KV head and padded (the layout `pallas_attention.paged_decode_attention` takes).
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from blink_jax.model import add_rms_norm as add_rms_norm_reference
+from blink_jax.model import prepare_qkv as prepare_qkv_reference
 
 # Widest chunk a program loads at once (elements of one row).
 _MAX_CHUNK = 1024
@@ -97,3 +105,94 @@ def add_rms_norm(x: jax.Array, branch: jax.Array, add_weight: jax.Array,
       name="blink_add_rms_norm",
   )(rows, branch.astype(x.dtype).reshape(rows.shape), add_weight, next_weight)
   return x_out.reshape(x.shape), y.reshape(x.shape)
+
+
+def select_prepare(kind: str, *, query_rows: int | None = None,
+                   interpret: bool | None = None):
+  """The q/k preparation for kind "pallas" (this module's kernel; query_rows: hand the
+  query grouped by KV head and padded to that many rows, for the Pallas attention) or
+  "reference" (`model.prepare_qkv`)."""
+  if kind not in ("reference", "pallas"):
+    raise ValueError(f"norm kind must be resolved to 'reference' or 'pallas', got {kind!r}")
+  if kind == "pallas":
+    return functools.partial(prepare_qkv, query_rows=query_rows, interpret=interpret)
+  return prepare_qkv_reference
+
+
+def _prepare_kernel(q_ref, k_ref, v_ref, cos_ref, sin_ref, qw_ref, kw_ref, q_out_ref, row_ref,
+                    *, eps: float, normed: bool):
+  """One token: q_ref [H, h], k_ref, v_ref [K, h]; cos_ref, sin_ref [h/2]; qw_ref, kw_ref
+  [h] -> q_out_ref [K, R, h] (query head n at KV head n // G, row n % G; rows G.. zero) and
+  row_ref [2 * K * h] (rotated keys, then values)."""
+  num_heads, head_dim = q_ref.shape
+  num_kv, rows = q_out_ref.shape[:2]
+  group, half = num_heads // num_kv, head_dim // 2
+  dtype = q_out_ref.dtype
+  first, second = pl.ds(0, half), pl.ds(half, half)
+  cos, sin = cos_ref[...], sin_ref[...]
+
+  def rotate(ref, head, weight_ref):
+    x1 = ref[head, first].astype(jnp.float32)
+    x2 = ref[head, second].astype(jnp.float32)
+    if normed:  # as rms_norm: float32, rounded to the activation dtype before RoPE
+      scale = lax.rsqrt((jnp.sum(x1 * x1) + jnp.sum(x2 * x2)) / head_dim + eps)
+      x1 = (x1 * scale * (1.0 + weight_ref[first].astype(jnp.float32))).astype(dtype)
+      x2 = (x2 * scale * (1.0 + weight_ref[second].astype(jnp.float32))).astype(dtype)
+      x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+    return (x1 * cos - x2 * sin).astype(dtype), (x2 * cos + x1 * sin).astype(dtype)
+
+  for n in range(num_heads):
+    o1, o2 = rotate(q_ref, n, qw_ref)
+    q_out_ref[n // group, n % group, first] = o1
+    q_out_ref[n // group, n % group, second] = o2
+  zeros = jnp.zeros((head_dim,), dtype)
+  for kv in range(num_kv):
+    for r in range(group, rows):
+      q_out_ref[kv, r, :] = zeros
+    o1, o2 = rotate(k_ref, kv, kw_ref)
+    row_ref[pl.ds(kv * head_dim, half)] = o1
+    row_ref[pl.ds(kv * head_dim + half, half)] = o2
+    row_ref[pl.ds((num_kv + kv) * head_dim, head_dim)] = v_ref[kv, :].astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "query_rows", "interpret"))
+def prepare_qkv(q: jax.Array, k: jax.Array, v: jax.Array, cos: jax.Array, sin: jax.Array,
+                q_weight: jax.Array | None, k_weight: jax.Array | None, eps: float, *,
+                query_rows: int | None = None,
+                interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+  """`model.prepare_qkv` as one kernel: q [T, H, h], k, v [T, K, h], cos, sin [T, h/2] ->
+  the query ([T, H, h]; with query_rows, [T, K, query_rows, h], grouped by KV head with
+  zero rows after each group) and the cache rows [T, 2 * K * h]."""
+  if interpret is None:
+    interpret = jax.devices()[0].platform != "gpu"
+  tokens, num_heads, head_dim = q.shape
+  num_kv = k.shape[1]
+  group = num_heads // num_kv
+  rows = group if query_rows is None else query_rows
+  if (num_heads % num_kv or k.shape != v.shape or k.shape[::2] != q.shape[::2]
+      or head_dim % 2 or cos.shape != (tokens, head_dim // 2) or rows < group):
+    raise ValueError(f"prepare_qkv: q {q.shape}, k {k.shape}, v {v.shape}, cos {cos.shape}, "
+                     f"query_rows {query_rows} do not match")
+  normed = q_weight is not None
+  if not normed:  # the kernel's signature is fixed: unused weights
+    q_weight = k_weight = jnp.zeros((head_dim,), q.dtype)
+
+  def per_token(*shape):
+    return pl.BlockSpec((None, *shape), lambda t: (t,) + (0,) * len(shape))
+  whole = pl.BlockSpec((head_dim,), lambda t: (0,))
+  query, cache_rows = pl.pallas_call(
+      functools.partial(_prepare_kernel, eps=eps, normed=normed),
+      grid=(tokens,),
+      in_specs=[per_token(num_heads, head_dim), per_token(num_kv, head_dim),
+                per_token(num_kv, head_dim), per_token(head_dim // 2),
+                per_token(head_dim // 2), whole, whole],
+      out_specs=[per_token(num_kv, rows, head_dim), per_token(2 * num_kv * head_dim)],
+      out_shape=[jax.ShapeDtypeStruct((tokens, num_kv, rows, head_dim), q.dtype),
+                 jax.ShapeDtypeStruct((tokens, 2 * num_kv * head_dim), q.dtype)],
+      interpret=interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      name="blink_prepare_qkv",
+  )(q, k, v, cos.astype(jnp.float32), sin.astype(jnp.float32), q_weight, k_weight)
+  if query_rows is None:
+    query = query.reshape(tokens, num_heads, head_dim)
+  return query, cache_rows

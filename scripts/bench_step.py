@@ -18,7 +18,8 @@ from absl import app, flags
 from flax import nnx
 from jax import lax
 
-from blink_jax import config, pallas_attention, pallas_norm, xla_flags
+from blink_jax import config, xla_flags
+from blink_jax.executor import step_kernels
 from scripts import bench_common as C
 
 FLAGS = flags.FLAGS
@@ -69,15 +70,13 @@ def step_loop(model, n_tokens: int, n_seqs: int, steps: int):
   graphdef, params = nnx.split(model)
 
   platform = jax.devices()[0].platform  # the executor's choices for this bucket
-  attention = pallas_attention.select(
-      config.resolve_kernel(FLAGS.attention, platform, "attention"), n_tokens)
-  add_norm = pallas_norm.select(config.resolve_kernel(FLAGS.norm, platform, "norm"),
-                                model.cfg.d_model)
+  kernels = step_kernels(model.cfg, config.resolve_kernel(FLAGS.attention, platform, "attention"),
+                         config.resolve_kernel(FLAGS.norm, platform, "norm"), n_tokens,
+                         interpret=platform != "gpu")
 
   def one(params, kv, tokens, positions, seq_ids, pt):
     m = nnx.merge(graphdef, params)
-    hidden, kv = m.forward(tokens, positions, seq_ids, pt, kv, attention_fn=attention,
-                           add_norm_fn=add_norm)
+    hidden, kv = m.forward(tokens, positions, seq_ids, pt, kv, **kernels)
     last = hidden[jnp.arange(n_seqs) * (n_tokens // n_seqs) + n_tokens // n_seqs - 1]
     nxt = jnp.argmax(m.logits(last), axis=-1).astype(jnp.int32)
     return kv, nxt

@@ -318,16 +318,18 @@ def test_fused_step_equals_the_dense_reference(model, dense, mode):
     assert eng.stats()["pages_in_use"] == 0
 
 
-@pytest.mark.parametrize("mode,norm", [("persistent", "reference"), ("host", "reference"),
-                                       ("persistent", "pallas"), ("host", "pallas")])
-def test_pallas_kernels_equal_the_dense_reference(model, dense, mode, norm):
+@pytest.mark.parametrize("mode,attention,norm", [
+    ("persistent", "pallas", "reference"), ("host", "pallas", "reference"),
+    ("persistent", "pallas", "pallas"), ("host", "pallas", "pallas"),
+    ("persistent", "reference", "pallas")])
+def test_pallas_kernels_equal_the_dense_reference(model, dense, mode, attention, norm):
   # Every bucket of ENGINE_KW is decode-sized (<= 64 tokens), so prefill chunks and decode
-  # steps alike run the Pallas attention, and with norm="pallas" the add + norm kernel too
-  # (Pallas' interpreter on CPU).
+  # steps alike run the chosen Pallas kernels (Pallas' interpreter on CPU); with both, the
+  # q/k kernel hands the attention its query grouped and padded.
   prompts = [[3, 4, 5], [6] * 20, list(range(10, 50))]
   want = [dense(p, 6) for p in prompts]
-  with Engine(model, None, mode=mode, attention="pallas", norm=norm, **ENGINE_KW) as eng:
-    assert (eng.executor.attention, eng.executor.norm) == ("pallas", norm)
+  with Engine(model, None, mode=mode, attention=attention, norm=norm, **ENGINE_KW) as eng:
+    assert (eng.executor.attention, eng.executor.norm) == (attention, norm)
     outs = eng.generate(prompt_token_ids=prompts,
                         sampling=SamplingParams(max_tokens=6, ignore_eos=True))
     assert [o.token_ids for o in outs] == want

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from blink_jax.attention import paged_attention_reference, write_kv
+from blink_jax.attention import kv_rows, paged_attention_reference, write_kv
 from blink_jax import pallas_attention
 from blink_jax.pallas_attention import default_splits, paged_decode_attention
 
@@ -66,7 +66,7 @@ def test_reads_what_write_kv_wrote_across_splits():
   seq_ids, positions = np.array([1, 0], np.int32), np.array([63, 17], np.int32)
   q = jnp.concatenate([q, q * 0.5])
   k_new = jnp.asarray(rng.standard_normal((2, 1, 16)), jnp.float32) * 4
-  kv_pages = write_kv(kv_pages, k_new, -k_new, table, seq_ids, positions)
+  kv_pages = write_kv(kv_pages, kv_rows(k_new, -k_new), table, seq_ids, positions)
   for window in (None, 10):
     _check((q, kv_pages, table, seq_ids, positions), window=window, softcap=None,
            scale=0.25, splits=4, pages_per_block=2)

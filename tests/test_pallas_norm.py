@@ -1,5 +1,6 @@
-"""The Pallas residual add + RMSNorm equals `model.add_rms_norm` (Pallas' interpreter on CPU;
-the compiled Triton kernel on the GPU, marked `gpu`)."""
+"""The Pallas norm kernels equal the jnp math: the residual add + RMSNorm
+(`model.add_rms_norm`) and the q/k RMSNorm + RoPE + cache rows (`model.prepare_qkv`);
+Pallas' interpreter on CPU, the compiled Triton kernels on the GPU (marked `gpu`)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +9,10 @@ from hypothesis import given, settings, strategies as st
 
 from blink_jax import pallas_norm
 from blink_jax.model import add_rms_norm as reference
-from blink_jax.pallas_norm import add_rms_norm, chunk_size
+from blink_jax.model import prepare_qkv as prepare_reference
+from blink_jax.model import rope_tables
+from blink_jax.pallas_attention import paged_decode_attention, query_rows
+from blink_jax.pallas_norm import add_rms_norm, chunk_size, prepare_qkv
 
 
 def _case(rng, rows, width, dtype):
@@ -84,6 +88,81 @@ def test_lowers_to_one_triton_kernel_for_cuda(width):
   assert "stablehlo.while" not in text  # the interpreter would loop over the grid
 
 
+def _prepare_case(rng, tokens, num_heads, num_kv, head_dim, dtype, normed=True):
+  q = jnp.asarray(rng.standard_normal((tokens, num_heads, head_dim)) * 2, dtype)
+  k, v = (jnp.asarray(rng.standard_normal((tokens, num_kv, head_dim)) * 2, dtype)
+          for _ in range(2))
+  positions = jnp.asarray(rng.integers(0, 40_000, tokens), jnp.int32)
+  cos, sin = rope_tables(positions, head_dim, 10_000.0, 8.0)
+  weights = [jnp.asarray(rng.standard_normal(head_dim) * 0.2, dtype) if normed else None
+             for _ in range(2)]
+  return q, k, v, cos, sin, *weights
+
+
+def _check_prepare(args, *, atol, query_rows=None, **kw):
+  q, rows = prepare_qkv(*args, 1e-6, query_rows=query_rows, **kw)
+  want_q, want_rows = prepare_reference(*args, 1e-6)
+  if query_rows is not None:  # grouped by KV head, zero rows after each group
+    tokens, num_heads, head_dim = want_q.shape
+    num_kv = q.shape[1]
+    group = num_heads // num_kv
+    assert q.shape == (tokens, num_kv, query_rows, head_dim)
+    assert not np.any(np.asarray(q[:, :, group:], np.float32))
+    q = q[:, :, :group].reshape(want_q.shape)
+  for g, w in ((q, want_q), (rows, want_rows)):
+    assert g.shape == w.shape and g.dtype == w.dtype
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                               atol=atol, rtol=atol)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), tokens=st.integers(1, 5), num_kv=st.sampled_from([1, 2]),
+       group=st.sampled_from([1, 2, 4]), head_dim=st.sampled_from([8, 16, 64]),
+       normed=st.booleans(), grouped=st.booleans())
+def test_prepare_matches_the_reference(seed, tokens, num_kv, group, head_dim, normed, grouped):
+  args = _prepare_case(np.random.default_rng(seed), tokens, num_kv * group, num_kv, head_dim,
+                       jnp.float32, normed)
+  _check_prepare(args, atol=1e-5, query_rows=query_rows(group) if grouped else None)
+
+
+def test_prepare_bf16_rounds_like_the_reference():
+  args = _prepare_case(np.random.default_rng(5), 3, 4, 1, 256, jnp.bfloat16)
+  _check_prepare(args, atol=2e-2, query_rows=16)
+
+
+def test_grouped_query_feeds_the_pallas_attention():
+  # The grouped, padded query gives the attention the same result as the plain one.
+  rng = np.random.default_rng(6)
+  q, k, v, cos, sin, qw, kw = _prepare_case(rng, 4, 4, 1, 16, jnp.float32)
+  plain, _ = prepare_qkv(q, k, v, cos, sin, qw, kw, 1e-6)
+  grouped, _ = prepare_qkv(q, k, v, cos, sin, qw, kw, 1e-6, query_rows=16)
+  kv_pages = jnp.asarray(rng.standard_normal((9, 4, 2 * 16)), jnp.float32)
+  table = jnp.asarray(rng.permutation(9)[:8].reshape(2, 4), jnp.int32)
+  seq_ids, positions = jnp.array([0, 1, 1, -1]), jnp.array([3, 15, 7, 0])
+  kw_attn = dict(window=None, softcap=None, scale=0.25)
+  want = paged_decode_attention(plain, kv_pages, table, seq_ids, positions, **kw_attn)
+  got = paged_decode_attention(grouped, kv_pages, table, seq_ids, positions, group=4, **kw_attn)
+  np.testing.assert_allclose(np.asarray(got)[:3], np.asarray(want)[:3], atol=1e-6)
+  with pytest.raises(ValueError, match="needs group"):
+    paged_decode_attention(grouped, kv_pages, table, seq_ids, positions, **kw_attn)
+
+
+def test_prepare_lowers_to_one_triton_kernel_for_cuda():
+  """Gemma 3 1B's attention shape (4 query heads, 1 KV head, 256 dims), bf16, batch 1."""
+  from jax import export
+  shapes = [jax.ShapeDtypeStruct(s, d) for s, d in (
+      ((1, 4, 256), jnp.bfloat16), ((1, 1, 256), jnp.bfloat16), ((1, 1, 256), jnp.bfloat16),
+      ((1, 128), jnp.float32), ((1, 128), jnp.float32), ((256,), jnp.bfloat16),
+      ((256,), jnp.bfloat16))]
+  f = jax.jit(lambda *a: prepare_qkv(*a, 1e-6, query_rows=16, interpret=False))
+  triton = "__gpu$xla.gpu.triton"
+  exported = export.export(f, platforms=["cuda"], disabled_checks=[
+      export.DisabledSafetyCheck.custom_call(triton)])(*shapes)
+  text = exported.mlir_module()
+  assert text.count(f"@{triton}") == 1
+  assert "stablehlo.while" not in text
+
+
 @pytest.mark.gpu
 def test_compiled_kernel_matches_the_reference_on_the_gpu():
   """The Triton kernel at the Gemma 3 widths, one row and a batch, f32 and bf16."""
@@ -94,3 +173,8 @@ def test_compiled_kernel_matches_the_reference_on_the_gpu():
     for rows in (1, 64):
       _check(_case(rng, rows, width, jnp.float32), atol=1e-5, interpret=False)
       _check(_case(rng, rows, width, jnp.bfloat16), atol=1e-2, interpret=False)
+  for dtype, atol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)):
+    for tokens in (1, 64):
+      args = _prepare_case(rng, tokens, 4, 1, 256, dtype)
+      _check_prepare(args, atol=atol, query_rows=16, interpret=False)
+      _check_prepare(args, atol=atol, interpret=False)
