@@ -1,4 +1,5 @@
-"""Cost of blink_schedule + blink_commit per step, inside the device loop, with no model.
+"""Cost of blink_schedule + blink_commit per step, inside the device loop, with no model
+(--fused: blink_step, the commit and the next schedule as one kernel).
 
 Keeps `lanes` requests decoding (one token each per step) over a mailbox of `slots` slots and
 measures the loop's per-iteration time: schedule (doorbell check, cancel/consumed reads of
@@ -32,33 +33,48 @@ flags.DEFINE_integer("slots", 4096, "mailbox slots")
 flags.DEFINE_float("seconds", 2.0, "measurement window per configuration")
 flags.DEFINE_integer("repeats", 3, "windows per configuration (median and spread reported)")
 flags.DEFINE_string("out", "bench/results/sched_step.json", "JSON result file")
+flags.DEFINE_bool("fused", False, "one scheduler call per step (blink_step) instead of two")
 flags.DEFINE_integer("interference", 0, "also measure with N memory-thrashing processes")
 flags.DEFINE_list("mailbox", ["host"], "where the mailbox lives: host (host-mapped shared "
                   "memory, the shm transport) and/or device (GPU memory, as an RDMA NIC writes it)")
 
 
-def _loop(cfg: F.SchedConfig):
-  from blink_jax.executor import commit_call, schedule_call
+def _loop(cfg: F.SchedConfig, fused: bool):
+  from blink_jax.executor import commit_call, schedule_call, step_call
+
+  def outputs(words):
+    """A stub sampler: token = (position * 7 + 3) % vocab for each sample (no EOS:
+    ignore_eos); no request asks for logprobs. The logprob inputs are the sampled positions
+    reinterpreted (a zero-fill would be a memset, which XLA cannot capture in a CUDA
+    graph)."""
+    pos = words[B.HEADER_WORDS + 3 * cfg.token_budget + 7 * cfg.max_seqs:][:cfg.max_seqs]
+    tok = (pos * 7 + 3) % cfg.vocab_size
+    lp = lax.bitcast_convert_type(pos, jnp.float32)
+    rows = words[B.HEADER_WORDS:B.HEADER_WORDS + cfg.token_budget]  # no prompt logprobs asked
+    rlp = lax.bitcast_convert_type(rows, jnp.float32)
+    return (tok.astype(jnp.int32), lp, pos[:, None][:, :0], lp[:, None][:, :0], rlp,
+            rows[:, None][:, :0], rlp[:, None][:, :0])
 
   def body(c):
     state, hist, pt, _ = c
     state, hist, pt, words = schedule_call(cfg, state, hist, pt)
-    # Stub sampler: token = (position * 7) % vocab for each sample (no EOS: ignore_eos).
-    pos = words[B.HEADER_WORDS + 3 * cfg.token_budget + 7 * cfg.max_seqs:][:cfg.max_seqs]
-    tok = (pos * 7 + 3) % cfg.vocab_size
-    # The logprob inputs are the sampled positions reinterpreted (a zero-fill would be a
-    # memset, which XLA cannot capture in a CUDA graph); no request asks for logprobs.
-    lp = lax.bitcast_convert_type(pos, jnp.float32)
-    rows = words[B.HEADER_WORDS:B.HEADER_WORDS + cfg.token_budget]  # no prompt logprobs asked
-    rlp = lax.bitcast_convert_type(rows, jnp.float32)
-    state, hist = commit_call(cfg, state, hist, pt, words, tok.astype(jnp.int32), lp,
-                              pos[:, None][:, :0], lp[:, None][:, :0], rlp, rows[:, None][:, :0],
-                              rlp[:, None][:, :0])
+    state, hist = commit_call(cfg, state, hist, pt, words, *outputs(words))
     return state, hist, pt, words[B.SHUTDOWN]
 
-  return jax.jit(lambda s, h, p: lax.while_loop(lambda c: c[3] == 0, body,
-                                                (s, h, p, jnp.zeros((), jnp.int32))),
-                 donate_argnums=(0, 1, 2))
+  # The carry holds the scheduled batch (blink_step commits it and schedules the next) and,
+  # beside it, the shutdown word the loop tests: tested in the batch itself (which
+  # blink_step aliases in and out), XLA's CPU loop stopped after its first step.
+  def fused_body(c):
+    state, hist, pt, _, words = c
+    state, hist, pt, words = step_call(cfg, state, hist, pt, words, *outputs(words))
+    return state, hist, pt, words[B.SHUTDOWN], words
+
+  def run(s, h, p):
+    if not fused:
+      return lax.while_loop(lambda c: c[3] == 0, body, (s, h, p, jnp.zeros((), jnp.int32)))
+    s, h, p, words = schedule_call(cfg, s, h, p)
+    return lax.while_loop(lambda c: c[3] == 0, fused_body, (s, h, p, words[B.SHUTDOWN], words))[:4]
+  return jax.jit(run, donate_argnums=(0, 1, 2))
 
 
 REQUEST = M.Request(prompt=[5, 6, 7, 8], max_tokens=1 << 30, ignore_eos=True)
@@ -84,7 +100,7 @@ def _drain(client: M.MailboxClient, region: M.LocalRegion, geo: P.Geometry,
 
 
 def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: int = 0,
-            mailbox: str = "host") -> dict:
+            mailbox: str = "host", fused: bool = False) -> dict:
   on_device = mailbox == "device"
   if on_device:
     # Nobody drains a GPU-memory mailbox here: rings and contexts hold the whole run.
@@ -112,7 +128,7 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: 
   if on_device:
     dev_region.upload(engine_region.buf[:geo.total_bytes])
   F.register_targets()
-  loop = _loop(cfg)
+  loop = _loop(cfg, fused)
   dev = jax.devices()[0]
   state = jax.device_put(F.initial_state(cfg), dev)
   hist = jax.device_put(np.zeros((lanes, ctx), np.int32), dev)
@@ -168,6 +184,7 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: 
                   commit_kernel_us=float(ctr[11]) / iters / 1e3)
   result.update(C.stats(per_iter, "us_per_step"))
   result.update(lanes=lanes, slots=slots, mailbox=mailbox, interference=interference,
+                fused=fused,
                 running=int(h1["running"]),
                 errored=int(h1["requests_errored"]), admitted=int(h1["requests_admitted"]),
                 finished=int(h1["requests_finished"]), cancelled=int(h1["requests_cancelled"]),
@@ -178,7 +195,7 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: 
 def main(argv):
   del argv
   xla_flags.configure_command_buffers()
-  rows = [measure(int(n), FLAGS.slots, FLAGS.seconds, FLAGS.repeats, lvl, mb)
+  rows = [measure(int(n), FLAGS.slots, FLAGS.seconds, FLAGS.repeats, lvl, mb, FLAGS.fused)
           for mb in FLAGS.mailbox for n in FLAGS.lanes
           for lvl in ([0, FLAGS.interference] if FLAGS.interference else [0])]
   print(C.table(rows, ["mailbox", "lanes", "slots", "interference", "running", "us_per_step_median", "us_per_step_min",

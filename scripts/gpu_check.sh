@@ -97,7 +97,11 @@ if has sched; then
   timeout 400 python3 scripts/bench_sched.py --lanes 1,64,256 --slots 4096 --seconds 0.5 \
     --repeats 3 --interference 32 --mailbox host,device --out bench/results/sched_step_h200.json 2>&1 | grep -v "^[IW]1" \
     | tail -12 | tee -a "$OUT/log.txt"
-  cp bench/results/sched_step_h200.json "$OUT/" 2>/dev/null
+  log "scheduler microbenchmark, fused step (blink_step: one kernel per step)"
+  timeout 300 python3 scripts/bench_sched.py --fused --lanes 1,64,256 --slots 4096 --seconds 0.5 \
+    --repeats 3 --out bench/results/sched_step_fused_h200.json 2>&1 | grep -v "^[IW]1" \
+    | tail -6 | tee -a "$OUT/log.txt"
+  cp bench/results/sched_step_h200.json bench/results/sched_step_fused_h200.json "$OUT/" 2>/dev/null
 fi
 if has executor; then
   log "executor latency (Gemma 3 1B shape, bf16)"
