@@ -136,8 +136,9 @@ if has dotsr; then
 fi
 if has xlaflags; then
   log "bare batch-1/8 model step under other XLA flags (kernel-bound step, finding 20)"
-  # name=flags pairs; "default" is the baseline of the same run.
-  for v in ${XLA_VARIANTS:-default= cublas=--xla_gpu_enable_triton_gemm=false pdl=--xla_gpu_enable_pdl=true}; do
+  # name=flags pairs; "default" is the baseline of the same run (cublas: --xla_gpu_enable_triton_gemm=false
+  # and pdl: --xla_gpu_enable_pdl=true were measured at 50abb19, xlaflags_*_h200.json).
+  for v in ${XLA_VARIANTS:-default= exhaustive=--xla_gpu_exhaustive_tiling_search=true splitk1=--xla_gpu_experimental_force_split_k=1}; do
     timeout 200 python3 scripts/diag_loop_overhead.py --iters ${XLA_ITERS:-3000} --repeats 3 \
       --interference 0 --variants model-gemma3-1b-b1,model-gemma3-1b-b8 --xla_extra="${v#*=}" \
       --out bench/results/xlaflags_${v%%=*}_h200.json 2>&1 | grep -v "^[IW]1" | tail -3 | tee -a "$OUT/log.txt"
