@@ -1,0 +1,80 @@
+"""Which kernels a serving step runs: `executor.step_kernels` wires the Pallas kernel sets
+into `Gemma.forward`. Pallas' Triton lowering runs in Python, so the step is lowered for
+CUDA here (jax.export, no GPU) and its Triton calls are counted per layer."""
+import collections
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax import export
+
+from blink_jax.config import get_config
+from blink_jax.executor import step_kernels
+from blink_jax.model import Gemma, init_kv_cache
+
+TRITON = "__gpu$xla.gpu.triton"
+KERNELS = ("blink_add_rms_norm", "blink_prepare_qkv", "blink_paged_decode_attention",
+           "blink_paged_decode_merge")
+
+
+def _triton_calls(text: str) -> collections.Counter:
+  """Triton kernels one run of the exported module launches, by kernel name (jitted helpers
+  become private functions called once per layer: calls are followed)."""
+  funcs: dict[str, list[str]] = {}
+  current = None
+  for line in text.splitlines():
+    m = re.match(r"\s*func\.func (?:private |public )?@([\w$.\-]+)", line)
+    if m:
+      current = funcs.setdefault(m.group(1), [])
+    elif current is not None:
+      current.append(line)
+
+  def count(name):
+    out = collections.Counter()
+    for line in funcs.get(name, []):
+      out.update(k for k in KERNELS if TRITON in line and k in line)
+      for callee in re.findall(r"call @([\w$.\-]+)", line):
+        out += count(callee)
+    return out
+  return count("main")
+
+
+def _lowered_step(cfg, attention: str, norm: str, tokens: int) -> collections.Counter:
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Gemma(cfg, dtype=jnp.bfloat16)))
+  kernels = step_kernels(cfg, attention, norm, tokens, interpret=False)
+
+  def step(state, kv, tokens, positions, seq_ids, page_table):
+    return nnx.merge(graphdef, state).forward(tokens, positions, seq_ids, page_table, kv,
+                                              **kernels)
+  kv = jax.eval_shape(lambda: init_kv_cache(cfg, 64, 16))
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+  exported = export.export(jax.jit(step), platforms=["cuda"], disabled_checks=[
+      export.DisabledSafetyCheck.custom_call(TRITON)])(
+          state, kv, i32(tokens), i32(tokens), i32(tokens), i32(4, 16))
+  return _triton_calls(exported.mlir_module())
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_both_pallas_sets_run_five_kernels_per_layer(tokens):
+  cfg = get_config("gemma3-270m")
+  layers = cfg.num_layers
+  assert _lowered_step(cfg, "pallas", "pallas", tokens) == {
+      "blink_prepare_qkv": layers, "blink_paged_decode_attention": layers,
+      "blink_paged_decode_merge": layers,
+      # two residual steps per layer, each ending in the next norm; the last layer's
+      # second one ends the stack (the final norm belongs to the logits).
+      "blink_add_rms_norm": 2 * layers - 1}
+
+
+def test_kernel_sets_are_independent():
+  cfg = get_config("gemma3-270m")
+  layers = cfg.num_layers
+  assert _lowered_step(cfg, "pallas", "reference", 1) == {
+      "blink_paged_decode_attention": layers, "blink_paged_decode_merge": layers}
+  assert _lowered_step(cfg, "reference", "pallas", 1) == {
+      "blink_prepare_qkv": layers, "blink_add_rms_norm": 2 * layers - 1}
+  assert _lowered_step(cfg, "reference", "reference", 1) == {}
+  # Prefill-sized buckets keep the reference attention (every token would re-read its context).
+  assert "blink_paged_decode_attention" not in _lowered_step(cfg, "pallas", "pallas", 256)
