@@ -28,8 +28,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from blink_jax.attention import MASK_VALUE, apply_softcap, paged_attention_reference
 
-# Largest token bucket that runs this kernel (decode and small mixed steps).
-MAX_ROWS = 64
+# Largest token bucket that runs this kernel (decode and small mixed steps). Chosen, not
+# measured: whether prefill-sized buckets would gain too is what `gpu_check.sh prefill`
+# measures (the env knob lifts it for that run).
+MAX_ROWS = int(os.environ.get("BLINK_PALLAS_MAX_ROWS", "64"))
 # Triton's dot needs at least 16 rows: the query heads of one KV head are padded to this.
 _MIN_ROWS = 16
 # Bytes of one K (or V) tile: 64 keys of a 256-wide bf16 head (32 keys in f32), so a K and a

@@ -18,7 +18,7 @@ from absl import app, flags
 from flax import nnx
 from jax import lax
 
-from blink_jax import config, xla_flags
+from blink_jax import config, pallas_attention, xla_flags
 from blink_jax.executor import step_kernels
 from scripts import bench_common as C
 
@@ -166,7 +166,8 @@ def main(argv):
   C.write_result(FLAGS.out, "step", rows, {"config": FLAGS.config, "copy_bytes_per_s": bw,
                                           "matmul_flop_per_s": flops,
                                           "attention": FLAGS.attention,
-                                          "norm": FLAGS.norm})
+                                          "norm": FLAGS.norm,
+                                          "pallas_max_rows": pallas_attention.MAX_ROWS})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA handlers, run the GPU tests, run the benchmarks.
-# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hlo|dotsr|xlaflags|pallas|norm|hostdiag|hostgraph|hf|serving|step|all]...
+# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hlo|dotsr|xlaflags|pallas|norm|prefill|hostdiag|hostgraph|hf|serving|step|all]...
 # Results: bench/results/*.json (commit them) and copies plus logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -162,6 +162,15 @@ if has norm; then
   for n in ${NORM_VARIANTS:-reference pallas}; do
     exec_bench norm_$n 6 --batches 1,64 --modes persistent --interference 0 --norm $n
   done
+fi
+if has prefill; then
+  log "prefill steps: the Pallas attention for every bucket vs the jnp reference (MAX_ROWS)"
+  for a in reference pallas; do
+    BLINK_PALLAS_MAX_ROWS=1000000 timeout 250 python3 scripts/bench_step.py --config gemma3-1b \
+      --batches 1,64 --prefill 256,1024,4096 --scheduler=false --attention $a \
+      --out bench/results/step_prefill_${a}_h200.json 2>&1 | grep -v "^[IW]1" | tail -8 | tee -a "$OUT/log.txt"
+  done
+  cp bench/results/step_prefill_*_h200.json "$OUT/" 2>/dev/null
 fi
 if has hostdiag; then
   log "host mode: what XLA does per step (host mode's batch-1 token is ~3x the bare step)"
