@@ -11,7 +11,7 @@ import re
 from absl import app, flags
 
 from blink_jax import config, xla_flags
-from hlo_kernels import switch_branches
+from hlo_kernels import computations, launches, switch_branches
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "gemma3-270m", "model config name, or 'tiny'")
@@ -50,6 +50,10 @@ def main(argv):
     for name, (_, count) in zip(names, switch_branches(text, pick)):
       top = ", ".join(f"{k} {v}" for k, v in count.most_common(6))
       print(f"kernels ({pick.__name__} path) {name}: {sum(count.values())} ({top})")
+  # The bucket-1 branch's kernels in order (what one layer costs at batch 1), for reading.
+  branch = switch_branches(text)[1][0]
+  with open(FLAGS.out.replace(".txt", "") + "_bucket1_kernels.txt", "w") as f:
+    f.write("\n".join(launches(computations(text), branch)) + "\n")
 
 
 if __name__ == "__main__":

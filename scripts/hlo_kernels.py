@@ -70,6 +70,20 @@ def kernels(comps: dict[str, list[str]], name: str, pick=min) -> collections.Cou
   return out
 
 
+def launches(comps: dict[str, list[str]], name: str) -> list[str]:
+  """The kernels of computation `name` in program order, one line each (kind, instruction,
+  result shape); a nested conditional is one line (its branches are not expanded)."""
+  out = []
+  for line in comps.get(name, []):
+    m = _INSTR.match(line)
+    if not m or m.group(1) in _FREE:
+      continue
+    result = re.match(r"(?:ROOT )?%?([\w.\-]+) = (\S+)", line)
+    kind = "conditional" if m.group(1) == "conditional" else _kind(line, m.group(1))
+    out.append(f"{kind:32} {result.group(1):44} {result.group(2)[:60]}")
+  return out
+
+
 def switch_branches(hlo: str, pick=min) -> list[tuple[str, collections.Counter]]:
   """(branch computation, kernels) of the loop's bucket switch (empty step, then one branch
   per bucket in order): the indexed conditional with the most branches (the nested

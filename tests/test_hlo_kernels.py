@@ -49,6 +49,14 @@ def test_nested_conditionals_count_their_smallest_or_largest_branch():
                  "custom-call blink_commit": 1}
 
 
+def test_launches_lists_kernels_in_program_order():
+  lines = H.launches(H.computations(HLO), "big")
+  assert [l.split()[0:2] for l in lines] == [["fusion", "kLoop"], ["gemm", "fusion"],
+                                              ["custom-call", "blink_commit"]]
+  assert lines[0].split()[-2:] == ["f1", "f32[2]{0}"]
+  assert H.launches(H.computations(HLO), "branch_1")[0].startswith("conditional")
+
+
 def test_engine_loop_has_a_branch_per_bucket_and_an_empty_one():
   cfg = tiny_config("gemma3", vocab_size=256)
   model = Gemma(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
