@@ -26,7 +26,7 @@ dump_hlo() {  # NAME [dump_engine_hlo flags...]
   local file=$OUT/loop_hlo_1b${1:+_$1}.txt; shift
   timeout 300 python3 scripts/dump_engine_hlo.py --config gemma3-1b --out "$file" "$@" 2>&1 \
     | grep -E "copy instructions|KV cache|loop report|^kernels \(min" | tee -a "$OUT/log.txt"
-  gzip -f "$file"; cp "${file%.txt}_bucket1_kernels.txt" "$OUT/" 2>/dev/null
+  gzip -f "$file"  # its bucket-1 kernel list (..._bucket1_kernels.txt) stays beside it
 }
 
 log "device"; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv \
