@@ -65,9 +65,14 @@ def uses_kernel(kind: str, rows: int) -> bool:
 
 
 def select(kind: str, rows: int, *, interpret: bool | None = None):
-  """The attention function for a step of `rows` tokens (see `uses_kernel`)."""
+  """The attention function for a step of `rows` tokens: this kernel where `uses_kernel`,
+  the prefill kernel for larger "pallas" steps when enabled (`pallas_prefill.ENABLED`), the
+  jnp reference otherwise."""
   if uses_kernel(kind, rows):
     return functools.partial(paged_decode_attention, interpret=interpret)
+  from blink_jax import pallas_prefill  # it builds on this module
+  if kind == "pallas" and pallas_prefill.ENABLED:
+    return functools.partial(pallas_prefill.paged_prefill_attention, interpret=interpret)
   return paged_attention_reference
 
 
@@ -184,8 +189,7 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
                      f"{num_kv_heads}")
   group = num_heads // num_kv_heads
   if pages_per_block is None:
-    tile_pages = _TILE_BYTES // (kv_pages.dtype.itemsize * head_dim * page_size)
-    pages_per_block = pl.next_power_of_2(max(1, tile_pages, pl.cdiv(16, page_size)))
+    pages_per_block = default_pages_per_block(kv_pages, head_dim)
   if pages_per_block & (pages_per_block - 1):
     raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block}")
   max_pages = page_table.shape[1]
@@ -239,19 +243,34 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       name="blink_paged_decode_attention",
   )(qg, kv_pages, kv_pages, table, bounds)
-  # One more launch merges the splits (XLA made three kernels of the same few jnp ops); each
-  # program takes a slice of the head dims, so all splits fit its registers at once.
+  out = merge_splits(o, m, l, q.dtype, interpret=interpret)
+  return out[:, :, :group].reshape(tokens, num_heads, head_dim)
+
+
+def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, dtype,
+                 *, interpret: bool) -> jax.Array:
+  """The splits' partial softmaxes o [S, B, K, R, h], m, l [S, B, K, R] -> the normalised
+  output [B, K, R, h] in `dtype`: one more launch (XLA made three kernels of the same few
+  jnp ops); each program takes a slice of the head dims, so all splits fit its registers."""
+  splits, blocks, num_kv_heads, rows, head_dim = o.shape
   dims = min(head_dim, max(16, _MERGE_ELEMENTS // (splits * rows)))
-  out = pl.pallas_call(
+  return pl.pallas_call(
       _merge_kernel,
-      grid=(tokens, num_kv_heads, pl.cdiv(head_dim, dims)),
+      grid=(blocks, num_kv_heads, pl.cdiv(head_dim, dims)),
       in_specs=[pl.BlockSpec((splits, None, None, rows, dims), lambda t, k, d: (0, t, k, 0, d)),
                 pl.BlockSpec((splits, None, None, rows), lambda t, k, d: (0, t, k, 0)),
                 pl.BlockSpec((splits, None, None, rows), lambda t, k, d: (0, t, k, 0))],
       out_specs=pl.BlockSpec((None, None, rows, dims), lambda t, k, d: (t, k, 0, d)),
-      out_shape=jax.ShapeDtypeStruct((tokens, num_kv_heads, rows, head_dim), q.dtype),
+      out_shape=jax.ShapeDtypeStruct((blocks, num_kv_heads, rows, head_dim), dtype),
       interpret=interpret,
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
       name="blink_paged_decode_merge",
   )(o, m, l)
-  return out[:, :, :group].reshape(tokens, num_heads, head_dim)
+
+
+def default_pages_per_block(kv_pages: jax.Array, head_dim: int) -> int:
+  """Pages per inner step: K and V tiles of at most _TILE_BYTES each, at least 16 keys (the
+  smallest Triton dot)."""
+  page_size = kv_pages.shape[1]
+  tile_pages = _TILE_BYTES // (kv_pages.dtype.itemsize * head_dim * page_size)
+  return pl.next_power_of_2(max(1, tile_pages, pl.cdiv(16, page_size)))

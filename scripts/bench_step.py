@@ -18,7 +18,7 @@ from absl import app, flags
 from flax import nnx
 from jax import lax
 
-from blink_jax import config, pallas_attention, xla_flags
+from blink_jax import config, pallas_attention, pallas_prefill, xla_flags
 from blink_jax.executor import step_kernels
 from scripts import bench_common as C
 
@@ -31,7 +31,8 @@ flags.DEFINE_integer("steps", 50, "steps per timed device loop")
 flags.DEFINE_integer("repeats", 3, "timed loops per point (median and spread reported)")
 flags.DEFINE_integer("page_size", 16, "KV page size")
 flags.DEFINE_enum("attention", "auto", config.KERNEL_KINDS,
-                  "paged attention of decode steps (prefill always uses the reference)")
+                  "paged attention, as the engine picks it per step size (prefill-sized steps: "
+                  "the reference unless BLINK_PALLAS_MAX_ROWS / BLINK_PALLAS_PREFILL say)")
 flags.DEFINE_enum("norm", "reference", config.KERNEL_KINDS, "residual add + RMSNorm pairs")
 flags.DEFINE_bool("scheduler", True, "also time schedule+commit and an empty loop iteration")
 flags.DEFINE_string("out", "bench/results/step.json", "JSON result file")
@@ -167,7 +168,8 @@ def main(argv):
                                           "matmul_flop_per_s": flops,
                                           "attention": FLAGS.attention,
                                           "norm": FLAGS.norm,
-                                          "pallas_max_rows": pallas_attention.MAX_ROWS})
+                                          "pallas_max_rows": pallas_attention.MAX_ROWS,
+                                          "pallas_prefill": pallas_prefill.ENABLED})
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ fi
 
 if has tests; then
   log "gpu tests"
-  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu ${GPU_TESTS:-tests/test_scheduler_backends.py tests/test_engine_gpu.py tests/test_device_region.py tests/test_pallas_attention.py tests/test_pallas_norm.py} \
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu ${GPU_TESTS:-tests/test_scheduler_backends.py tests/test_engine_gpu.py tests/test_device_region.py tests/test_pallas_attention.py tests/test_pallas_norm.py tests/test_pallas_prefill.py} \
     -q -s -p no:cacheprovider 2>&1 | tail -40 | tee -a "$OUT/log.txt"
 fi
 if has diag; then
@@ -164,11 +164,13 @@ if has norm; then
   done
 fi
 if has prefill; then
-  log "prefill steps: the Pallas attention for every bucket vs the jnp reference (MAX_ROWS)"
-  for a in reference pallas; do
-    BLINK_PALLAS_MAX_ROWS=1000000 timeout 250 python3 scripts/bench_step.py --config gemma3-1b \
-      --batches 1,64 --prefill 256,1024,4096 --scheduler=false --attention $a \
-      --out bench/results/step_prefill_${a}_h200.json 2>&1 | grep -v "^[IW]1" | tail -8 | tee -a "$OUT/log.txt"
+  log "prefill steps: jnp reference vs the decode kernel for every bucket vs the prefill kernel"
+  # name:attention:BLINK_PALLAS_MAX_ROWS:BLINK_PALLAS_PREFILL
+  for v in ${PREFILL_VARIANTS:-reference:reference:64:0 decode:pallas:1000000:0 prefill:pallas:64:1}; do
+    IFS=: read -r name a rows pre <<<"$v"
+    BLINK_PALLAS_MAX_ROWS=$rows BLINK_PALLAS_PREFILL=$pre timeout 250 python3 scripts/bench_step.py \
+      --config gemma3-1b --batches 1,64 --prefill 256,1024,4096 --scheduler=false --attention $a \
+      --out bench/results/step_prefill_${name}_h200.json 2>&1 | grep -v "^[IW]1" | tail -7 | tee -a "$OUT/log.txt"
   done
   cp bench/results/step_prefill_*_h200.json "$OUT/" 2>/dev/null
 fi

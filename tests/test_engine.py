@@ -336,6 +336,21 @@ def test_pallas_kernels_equal_the_dense_reference(model, dense, mode, attention,
     assert eng.stats()["pages_in_use"] == 0
 
 
+def test_pallas_prefill_kernel_equals_the_dense_reference(model, dense, monkeypatch):
+  # Buckets above 4 tokens take the prefill kernel (blocks of tokens, each block's pages
+  # read once), as buckets above 64 do when BLINK_PALLAS_PREFILL=1.
+  from blink_jax import pallas_attention, pallas_prefill
+  monkeypatch.setattr(pallas_attention, "MAX_ROWS", 4)
+  monkeypatch.setattr(pallas_prefill, "ENABLED", True)
+  prompts = [[3, 4, 5], [6] * 20, list(range(10, 50))]
+  want = [dense(p, 6) for p in prompts]
+  with Engine(model, None, attention="pallas", norm="pallas", **ENGINE_KW) as eng:
+    outs = eng.generate(prompt_token_ids=prompts,
+                        sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [o.token_ids for o in outs] == want
+    assert eng.stats()["pages_in_use"] == 0
+
+
 def test_unknown_kernels_are_refused(model):
   with pytest.raises(ValueError, match="attention must be one of"):
     Engine(model, None, attention="flash", **ENGINE_KW)

@@ -16,7 +16,7 @@ from blink_jax.model import Gemma, init_kv_cache
 
 TRITON = "__gpu$xla.gpu.triton"
 KERNELS = ("blink_add_rms_norm", "blink_prepare_qkv", "blink_paged_decode_attention",
-           "blink_paged_decode_merge")
+           "blink_paged_decode_merge", "blink_paged_prefill_attention")
 
 
 def _triton_calls(text: str) -> collections.Counter:
@@ -78,3 +78,12 @@ def test_kernel_sets_are_independent():
   assert _lowered_step(cfg, "reference", "reference", 1) == {}
   # Prefill-sized buckets keep the reference attention (every token would re-read its context).
   assert "blink_paged_decode_attention" not in _lowered_step(cfg, "pallas", "pallas", 256)
+
+
+def test_prefill_buckets_run_the_prefill_kernel_when_enabled(monkeypatch):
+  from blink_jax import pallas_prefill
+  monkeypatch.setattr(pallas_prefill, "ENABLED", True)
+  cfg = get_config("gemma3-270m")
+  layers = cfg.num_layers
+  assert _lowered_step(cfg, "pallas", "reference", 256) == {
+      "blink_paged_prefill_attention": layers, "blink_paged_decode_merge": layers}

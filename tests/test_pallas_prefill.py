@@ -1,0 +1,115 @@
+"""The Pallas paged prefill attention equals the jnp oracle (Pallas' interpreter on CPU; the
+compiled Triton kernel on the GPU, marked `gpu`)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from blink_jax.attention import kv_rows, paged_attention_reference, write_kv
+from blink_jax.pallas_prefill import _segments, block_tokens, paged_prefill_attention
+
+
+def _case(rng, *, tokens, num_heads, num_kv_heads, head_dim, page_size, max_pages, seqs,
+          dtype=jnp.float32):
+  """Random pages and page tables; the step's tokens come in runs of one sequence (as a
+  ragged batch lays them out), then a few padding rows (seq_id -1)."""
+  num_pages = seqs * max_pages + 3
+  table = rng.permutation(num_pages)[:seqs * max_pages].reshape(seqs, max_pages)
+  kv_pages = jnp.asarray(rng.standard_normal((num_pages, page_size,
+                                              2 * num_kv_heads * head_dim)), dtype)
+  q = jnp.asarray(rng.standard_normal((tokens, num_heads, head_dim)), dtype)
+  seq_ids = np.repeat(rng.integers(0, seqs, tokens), rng.integers(1, 12, tokens))[:tokens]
+  seq_ids = seq_ids.astype(np.int32)
+  seq_ids[tokens - rng.integers(0, 3):] = -1
+  positions = rng.integers(0, max_pages * page_size, tokens).astype(np.int32)
+  return q, kv_pages, jnp.asarray(table, jnp.int32), seq_ids, positions
+
+
+def _check(args, *, window, softcap, scale, atol=2e-5, **kw):
+  q, kv_pages, table, seq_ids, positions = args
+  with jax.default_matmul_precision("highest"):  # XLA's GPU default for f32 dots is TF32
+    want = paged_attention_reference(q, kv_pages, table, seq_ids, positions,
+                                     window=window, softcap=softcap, scale=scale)
+  got = paged_prefill_attention(q, kv_pages, table, seq_ids, positions, window=window,
+                                softcap=softcap, scale=scale, **kw)
+  assert got.shape == want.shape and got.dtype == want.dtype
+  real = np.asarray(seq_ids) >= 0
+  assert np.all(np.isfinite(np.asarray(got, np.float32)))
+  np.testing.assert_allclose(np.asarray(got, np.float32)[real],
+                             np.asarray(want, np.float32)[real], atol=atol, rtol=atol)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**16), tokens=st.integers(1, 40), group=st.sampled_from([1, 2, 4, 8]),
+       num_kv_heads=st.sampled_from([1, 2]), page_size=st.sampled_from([4, 8]),
+       max_pages=st.integers(1, 7), window=st.sampled_from([None, 5, 17]),
+       softcap=st.sampled_from([None, 20.0]), splits=st.sampled_from([None, 1, 2, 4]),
+       pages_per_block=st.sampled_from([1, 2]))
+def test_matches_the_reference(seed, tokens, group, num_kv_heads, page_size, max_pages, window,
+                               softcap, splits, pages_per_block):
+  args = _case(np.random.default_rng(seed), tokens=tokens, num_heads=group * num_kv_heads,
+               num_kv_heads=num_kv_heads, head_dim=16, page_size=page_size,
+               max_pages=max_pages, seqs=3)
+  _check(args, window=window, softcap=softcap, scale=0.3, splits=splits,
+         pages_per_block=pages_per_block)
+
+
+def test_a_prefill_chunk_reads_what_write_kv_wrote():
+  # A 30-token chunk of one sequence at positions 10..39 after 10 cached tokens, then two
+  # decode tokens of other sequences in the same step: the causal mask over fresh keys.
+  rng = np.random.default_rng(1)
+  q, kv_pages, table, _, _ = _case(rng, tokens=32, num_heads=4, num_kv_heads=1, head_dim=16,
+                                   page_size=4, max_pages=12, seqs=3)
+  seq_ids = np.array([0] * 30 + [1, 2], np.int32)
+  positions = np.array(list(range(10, 40)) + [5, 17], np.int32)
+  k = jnp.asarray(rng.standard_normal((32, 1, 16)), jnp.float32)
+  kv_pages = write_kv(kv_pages, kv_rows(k, -k), table, seq_ids, positions)
+  _check((q, kv_pages, table, seq_ids, positions), window=None, softcap=None, scale=0.25)
+
+
+def test_bf16_is_close_to_the_reference():
+  args = _case(np.random.default_rng(2), tokens=24, num_heads=4, num_kv_heads=1, head_dim=32,
+               page_size=8, max_pages=4, seqs=2, dtype=jnp.bfloat16)
+  _check(args, window=None, softcap=None, scale=0.2, atol=3e-2)
+
+
+def test_segments_are_the_runs_of_each_block():
+  seq = jnp.array([[3, 3, 1, 1], [-1, -1, -1, -1]])
+  first = jnp.array([[0, 0, 2, 1], [0, 0, 0, 0]])
+  end = jnp.array([[4, 5, 3, 3], [1, 1, 1, 1]])
+  segments, run = map(np.asarray, _segments(seq, first, end))
+  np.testing.assert_array_equal(segments[0], [[3, 1, -1, -1], [0, 1, 0, 0], [5, 3, 0, 0]])
+  np.testing.assert_array_equal(segments[1][0], [-1, -1, -1, -1])  # padding: no segment
+  np.testing.assert_array_equal(run, [[0, 0, 1, 1], [0, 0, 0, 0]])
+  assert block_tokens(4) == 16 and block_tokens(1) == 64 and block_tokens(8) == 8
+
+
+def test_lowers_to_a_triton_kernel_for_cuda():
+  """Gemma 3 1B's attention shape, bf16, a 256-token step: the attention and the merge,
+  16 blocks of 16 tokens."""
+  from jax import export
+  shapes = [jax.ShapeDtypeStruct(s, d) for s, d in (
+      ((256, 4, 256), jnp.bfloat16), ((4864, 16, 512), jnp.bfloat16), ((64, 76), jnp.int32),
+      ((256,), jnp.int32), ((256,), jnp.int32))]
+  f = jax.jit(lambda *a: paged_prefill_attention(*a, window=512, softcap=None, scale=0.0625,
+                                                 interpret=False))
+  triton = "__gpu$xla.gpu.triton"
+  exported = export.export(f, platforms=["cuda"], disabled_checks=[
+      export.DisabledSafetyCheck.custom_call(triton)])(*shapes)
+  text = exported.mlir_module()
+  assert text.count(f"@{triton}") == 2
+  assert "grid_x = 16 : i32, grid_y = 1 : i32, grid_z = 16 : i32" in text
+  assert "stablehlo.while" not in text
+
+
+@pytest.mark.gpu
+def test_compiled_kernel_matches_the_reference_on_the_gpu():
+  if jax.devices()[0].platform != "gpu":
+    pytest.skip("needs a GPU")
+  rng = np.random.default_rng(3)
+  for dtype, atol in ((jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)):
+    args = _case(rng, tokens=256, num_heads=4, num_kv_heads=1, head_dim=256, page_size=16,
+                 max_pages=76, seqs=4, dtype=dtype)
+    for window in (None, 512):
+      _check(args, window=window, softcap=None, scale=256 ** -0.5, atol=atol, interpret=False)
