@@ -212,53 +212,59 @@ class Engine:
         raise RuntimeError(f"cudaHostRegister failed: {cuda.blink_cuda_error_string(rc)}")
       self._registered = self.region.address
       mailbox_addr = dev.value
-    self.sched = F.SchedConfig.build(
-        mailbox=mailbox_addr, num_slots=num_slots, max_prompt=self.geo.max_prompt,
-        ring_capacity=ring_capacity, max_top_logprobs=max_top_logprobs,
-        vocab_size=cfg.vocab_size, max_seqs=max_seqs, max_context=self.max_context,
-        page_size=page_size, num_pages=kv_pages, buckets=tuple(buckets),
-        eos_ids=self.eos_ids, idle_poll_us=idle_poll_us)
-    self.executor = X.Executor(model, self.sched, max_top_logprobs=max_top_logprobs,
-                               device=self.device, fused_step=fused_step, attention=attention,
-                               norm=norm)
-    log.info("engine: model %s (%s, %d layers), dtype %s, device %s, mode %s, max_seqs %d, "
-             "kv pages %d x %d, buckets %s, attention %s, norm %s", model_name, cfg.name,
-             cfg.num_layers, model.dtype, self.device, mode, max_seqs, kv_pages, page_size,
-             list(buckets), self.executor.attention, self.executor.norm)
-    carry = self.executor.initial_carry()
-    self.compiled = self.executor.compile(carry, mode)
-    self.client = M.MailboxClient(self.region, frontend_workers, self.mailbox_workers)
-    # Before READY (no frontend submits yet): XLA's first execution of the loop runs op by op;
-    # on a GPU it serves a warm-up workload that takes every bucket branch (see warm_up).
-    workload = self._warm_up_workload if (on_gpu if warm_up is None else warm_up) else None
-    if workload or mode == "persistent":
-      log.info("warm-up: %s in XLA's op-by-op first execution",
-               f"every bucket branch {list(self.sched.buckets)} once" if workload else
-               "one empty step")
-      t0 = time.perf_counter()
-      carry = self.executor.warm_up(carry, self.compiled, mode, self._write_shutdown, workload)
-      log.info("warm-up done in %.1f s", time.perf_counter() - t0)
-    self._lock = threading.Lock()
-    self._slot_free = threading.Condition(self._lock)
-    self._active: dict[int, _Tracked] = {}
-    self._stopping = False
-    self._error: BaseException | None = None
-    self._final_carry = None
-    self._loop_thread = threading.Thread(target=self._run_loop, args=(carry,),
-                                         name="blink-loop", daemon=True)
-    self._poll_thread = threading.Thread(target=self._poll, name="blink-poll", daemon=True)
-    self._set_engine_state(P.EngineState.READY)
-    _LIVE_ENGINES.add(self)
-    if on_gpu and mode == "persistent":
-      self._start_loop_checked()
-    else:
-      self._loop_thread.start()
-    self._poll_thread.start()
-    self.loop_report = self.executor.loop_report
-    log.info("serving loop on the device: %s", self.loop_report)
-    if on_gpu and mode == "persistent" and not self.loop_report.get("device_while"):
-      log.warning("the serving loop is NOT a device-side WHILE node, the host CPU drives every "
-                  "iteration (latency will suffer under CPU load): %s", self.loop_report)
+    # From here on a failed start (e.g. a kernel that does not compile) unregisters the
+    # mailbox: nothing leaks.
+    try:
+      self.sched = F.SchedConfig.build(
+          mailbox=mailbox_addr, num_slots=num_slots, max_prompt=self.geo.max_prompt,
+          ring_capacity=ring_capacity, max_top_logprobs=max_top_logprobs,
+          vocab_size=cfg.vocab_size, max_seqs=max_seqs, max_context=self.max_context,
+          page_size=page_size, num_pages=kv_pages, buckets=tuple(buckets),
+          eos_ids=self.eos_ids, idle_poll_us=idle_poll_us)
+      self.executor = X.Executor(model, self.sched, max_top_logprobs=max_top_logprobs,
+                                 device=self.device, fused_step=fused_step, attention=attention,
+                                 norm=norm)
+      log.info("engine: model %s (%s, %d layers), dtype %s, device %s, mode %s, max_seqs %d, "
+               "kv pages %d x %d, buckets %s, attention %s, norm %s", model_name, cfg.name,
+               cfg.num_layers, model.dtype, self.device, mode, max_seqs, kv_pages, page_size,
+               list(buckets), self.executor.attention, self.executor.norm)
+      carry = self.executor.initial_carry()
+      self.compiled = self.executor.compile(carry, mode)
+      self.client = M.MailboxClient(self.region, frontend_workers, self.mailbox_workers)
+      # Before READY (no frontend submits yet): XLA's first execution of the loop runs op by op;
+      # on a GPU it serves a warm-up workload that takes every bucket branch (see warm_up).
+      workload = self._warm_up_workload if (on_gpu if warm_up is None else warm_up) else None
+      if workload or mode == "persistent":
+        log.info("warm-up: %s in XLA's op-by-op first execution",
+                 f"every bucket branch {list(self.sched.buckets)} once" if workload else
+                 "one empty step")
+        t0 = time.perf_counter()
+        carry = self.executor.warm_up(carry, self.compiled, mode, self._write_shutdown, workload)
+        log.info("warm-up done in %.1f s", time.perf_counter() - t0)
+      self._lock = threading.Lock()
+      self._slot_free = threading.Condition(self._lock)
+      self._active: dict[int, _Tracked] = {}
+      self._stopping = False
+      self._error: BaseException | None = None
+      self._final_carry = None
+      self._loop_thread = threading.Thread(target=self._run_loop, args=(carry,),
+                                           name="blink-loop", daemon=True)
+      self._poll_thread = threading.Thread(target=self._poll, name="blink-poll", daemon=True)
+      self._set_engine_state(P.EngineState.READY)
+      _LIVE_ENGINES.add(self)
+      if on_gpu and mode == "persistent":
+        self._start_loop_checked()
+      else:
+        self._loop_thread.start()
+      self._poll_thread.start()
+      self.loop_report = self.executor.loop_report
+      log.info("serving loop on the device: %s", self.loop_report)
+      if on_gpu and mode == "persistent" and not self.loop_report.get("device_while"):
+        log.warning("the serving loop is NOT a device-side WHILE node, the host CPU drives every "
+                    "iteration (latency will suffer under CPU load): %s", self.loop_report)
+    except BaseException:
+      self._unregister()
+      raise
 
   # ---- construction from a checkpoint ----
   @classmethod
@@ -381,15 +387,18 @@ class Engine:
     self._write_shutdown(True)
     self._loop_thread.join(max(0.0, deadline - time.monotonic()))
     self._poll_thread.join(1.0)
-    if self._registered is not None:
-      from blink_jax import ffi as F
-      F.cuda_library().blink_cuda_unregister_host(self._registered)
-      self._registered = None
+    self._unregister()
     self._final_carry = None
     with self._lock:
       for t in self._active.values():
         t.events.put(None)
       self._slot_free.notify_all()
+
+  def _unregister(self) -> None:
+    if self._registered is not None:
+      from blink_jax import ffi as F
+      F.cuda_library().blink_cuda_unregister_host(self._registered)
+      self._registered = None
 
   def __enter__(self) -> "Engine":
     return self

@@ -128,6 +128,9 @@ class Executor:
     self.device = device or jax.devices()[0]
     self.attention = config.resolve_kernel(attention, self.device.platform, "attention")
     self.norm = config.resolve_kernel(norm, self.device.platform, "norm")
+    # Kernel families "auto" put on Pallas: if they fail to compile, `compile` falls back.
+    self._auto_pallas = [kind for kind, asked in (("attention", attention), ("norm", norm))
+                         if asked == "auto" and getattr(self, kind) == "pallas"]
     self.graphdef, params = nnx.split(model)
     # The weights travel as a flat tuple of arrays: jax dispatches a tuple of ~350 arrays in
     # ~70 us, the same leaves inside nnx.State objects in ~300 us (measured on CPU), a cost
@@ -142,14 +145,23 @@ class Executor:
                                  np.zeros((r,), np.float32), np.zeros((r, k), np.int32),
                                  np.zeros((r, k), np.float32)), self.device)
     self.fused_step = fused_step
-    step_fn = self._fused_step_fn if fused_step else self._step_fn
-    # keep_unused: a carry field a step does not read (the split step's words and shutdown)
-    # would be pruned from its inputs, and its output would get a fresh buffer every step; a
-    # CUDA graph that touches a moved buffer is re-recorded before it runs. Kept, every carry
-    # output aliases its donated input and the addresses stay put.
-    self._step = jax.jit(step_fn, donate_argnums=(1,), keep_unused=True)
-    self._prime = jax.jit(self._prime_fn, donate_argnums=(0,), keep_unused=True)
-    self._loop = jax.jit(self._loop_fn, donate_argnums=(1,), keep_unused=True)
+    self._make_jits()
+
+  def _make_jits(self):
+    """The jitted step, prime and loop. Fresh partials each time: jax caches traces by
+    function, and a bound method compares equal to itself, so re-jitting one after the
+    kernel choice changed would reuse the old trace.
+    keep_unused: a carry field a step does not read (the split step's words and shutdown)
+    would be pruned from its inputs, and its output would get a fresh buffer every step; a
+    CUDA graph that touches a moved buffer is re-recorded before it runs. Kept, every carry
+    output aliases its donated input and the addresses stay put."""
+    step_fn = Executor._fused_step_fn if self.fused_step else Executor._step_fn
+    self._step = jax.jit(functools.partial(step_fn, self), donate_argnums=(1,),
+                         keep_unused=True)
+    self._prime = jax.jit(functools.partial(Executor._prime_fn, self), donate_argnums=(0,),
+                          keep_unused=True)
+    self._loop = jax.jit(functools.partial(Executor._loop_fn, self), donate_argnums=(1,),
+                         keep_unused=True)
 
   def _model(self, params: tuple) -> Gemma:
     """The model over the flat weight tuple (inside traced code)."""
@@ -250,7 +262,25 @@ class Executor:
 
   # ---- drivers ----
   def compile(self, carry: Carry, mode: str):
-    """AOT-compiles the loop (persistent) or the step (host); returns the compiled object."""
+    """AOT-compiles the loop (persistent) or the step (host); returns the compiled object.
+    Kernel families that "auto" put on Pallas fall back to the jnp reference, loudly, when
+    they do not compile (Triton's limits differ between GPUs); asked for by name, the error
+    stands."""
+    try:
+      return self._compile(carry, mode)
+    except Exception as e:  # noqa: BLE001 - Triton and XLA report through several types
+      if not self._auto_pallas:
+        raise
+      log.warning("the Pallas kernels for %s did not compile on %s (%s: %s); falling back to "
+                  "the jnp reference", " and ".join(self._auto_pallas), self.device,
+                  type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
+      for kind in self._auto_pallas:
+        setattr(self, kind, "reference")
+      self._auto_pallas = []
+      self._make_jits()
+      return self._compile(carry, mode)
+
+  def _compile(self, carry: Carry, mode: str):
     fn = self._loop if mode == "persistent" else self._step
     t0 = time.perf_counter()
     lowered = fn.lower(self.inputs, carry)

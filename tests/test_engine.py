@@ -365,3 +365,28 @@ def test_auto_attention_is_the_kernel_on_a_gpu_only(model):
   assert resolve_kernel("reference", "gpu", "attention") == "reference"
   with Engine(model, None, **ENGINE_KW) as eng:  # the default on this CPU
     assert eng.executor.attention == "reference"
+
+
+def test_auto_kernels_fall_back_loudly_when_they_do_not_compile(model, monkeypatch, caplog):
+  # A GPU whose Triton cannot build a kernel: "auto" serves with the jnp reference and says
+  # so; asked for by name, the error stands.
+  from blink_jax import config, pallas_attention
+
+  def broken(kind, rows, **kw):
+    if kind == "pallas":
+      def fail(*a, **k):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Shared memory size limit exceeded")
+      return fail
+    return pallas_attention.paged_attention_reference
+  real_resolve = config.resolve_kernel
+  monkeypatch.setattr(config, "resolve_kernel",
+                      lambda kind, platform, what: real_resolve(kind, "gpu", what))
+  monkeypatch.setattr(pallas_attention, "select", broken)
+  with caplog.at_level("WARNING", logger="blink_jax"):
+    with Engine(model, None, **ENGINE_KW) as eng:
+      assert eng.executor.attention == "reference"
+      out = eng.generate(prompt_token_ids=[3, 4, 5], sampling=SamplingParams(max_tokens=3))
+      assert len(out.token_ids) == 3
+  assert "falling back to the jnp reference" in caplog.text
+  with pytest.raises(RuntimeError, match="Shared memory"):
+    Engine(model, None, attention="pallas", **ENGINE_KW)
