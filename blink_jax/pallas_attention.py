@@ -180,10 +180,7 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
   else:
     tokens, num_heads, head_dim = q.shape
   num_pages, page_size, kv_width = kv_pages.shape
-  num_kv_heads = kv_width // (2 * head_dim)
-  if not num_kv_heads or num_heads % num_kv_heads or kv_width % (2 * head_dim):
-    raise ValueError(f"{num_heads} query heads and KV width {kv_width} (keys and values) do "
-                     f"not match head_dim {head_dim}")
+  num_kv_heads = kv_heads(num_heads, head_dim, kv_width)
   if grouped and q.shape[1] != num_kv_heads:
     raise ValueError(f"a grouped query {q.shape} has {q.shape[1]} KV heads, the cache "
                      f"{num_kv_heads}")
@@ -266,6 +263,16 @@ def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, dtype,
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
       name="blink_paged_decode_merge",
   )(o, m, l)
+
+
+def kv_heads(num_heads: int, head_dim: int, kv_width: int) -> int:
+  """KV heads of a cache row kv_width wide (keys, then values), checked against the query's
+  heads and head size."""
+  num_kv_heads = kv_width // (2 * head_dim)
+  if not num_kv_heads or num_heads % num_kv_heads or kv_width % (2 * head_dim):
+    raise ValueError(f"{num_heads} query heads and KV width {kv_width} (keys and values) do "
+                     f"not match head_dim {head_dim}")
+  return num_kv_heads
 
 
 def default_pages_per_block(kv_pages: jax.Array, head_dim: int) -> int:

@@ -27,7 +27,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from blink_jax.attention import MASK_VALUE, apply_softcap
-from blink_jax.pallas_attention import default_pages_per_block, default_splits, merge_splits
+from blink_jax.pallas_attention import (default_pages_per_block, default_splits, kv_heads,
+                                        merge_splits)
 
 # Whether "pallas" attention runs this kernel for buckets above pallas_attention.MAX_ROWS.
 ENABLED = os.environ.get("BLINK_PALLAS_PREFILL", "0") == "1"
@@ -134,10 +135,7 @@ def paged_prefill_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.A
     interpret = jax.devices()[0].platform != "gpu"
   tokens, num_heads, head_dim = q.shape
   num_pages, page_size, kv_width = kv_pages.shape
-  num_kv = kv_width // (2 * head_dim)
-  if not num_kv or num_heads % num_kv or kv_width % (2 * head_dim):
-    raise ValueError(f"{num_heads} query heads and KV width {kv_width} (keys and values) do "
-                     f"not match head_dim {head_dim}")
+  num_kv = kv_heads(num_heads, head_dim, kv_width)
   group = num_heads // num_kv
   per_block = block_tokens(group)
   blocks = pl.cdiv(tokens, per_block)

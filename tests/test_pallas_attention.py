@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 from blink_jax.attention import kv_rows, paged_attention_reference, write_kv
 from blink_jax import pallas_attention
 from blink_jax.pallas_attention import default_splits, paged_decode_attention
+from tests.cuda_lowering import TRITON, lower_for_cuda, require_gpu
 
 
 def _case(rng, *, tokens, num_heads, num_kv_heads, head_dim, page_size, max_pages, seqs,
@@ -102,17 +103,13 @@ def test_lowers_to_a_triton_kernel_for_cuda(window):
   """Pallas' Triton lowering runs in Python, so the CUDA lowering is checked without a GPU
   (Gemma 3 1B attention shape, bf16, batch 1): two Triton custom calls (attention, merge)
   with the expected grids, no interpreter ops."""
-  from jax import export
   shapes = [jax.ShapeDtypeStruct(s, d) for s, d in (
       ((1, 4, 256), jnp.bfloat16), ((4864, 16, 512), jnp.bfloat16), ((64, 76), jnp.int32),
       ((1,), jnp.int32), ((1,), jnp.int32))]
-  f = jax.jit(lambda *a: paged_decode_attention(*a, window=window, softcap=None,
-                                                scale=0.0625, interpret=False))
-  triton = "__gpu$xla.gpu.triton"
-  exported = export.export(f, platforms=["cuda"], disabled_checks=[
-      export.DisabledSafetyCheck.custom_call(triton)])(*shapes)
-  text = exported.mlir_module()
-  assert text.count(f"@{triton}") == 2
+  text = lower_for_cuda(lambda *a: paged_decode_attention(*a, window=window, softcap=None,
+                                                          scale=0.0625, interpret=False),
+                        *shapes)
+  assert text.count(f"@{TRITON}") == 2
   # default_splits at batch 1, then merge programs over (token, KV head, 64 head dims).
   splits = default_splits(1, 1, 19)
   assert f"grid_x = 1 : i32, grid_y = 1 : i32, grid_z = {splits} : i32" in text
@@ -124,8 +121,7 @@ def test_lowers_to_a_triton_kernel_for_cuda(window):
 def test_compiled_kernel_matches_the_reference_on_the_gpu():
   """The Triton kernel in the Gemma 3 1B attention shape (4 query heads, 1 KV head, 256
   dims, 16-token pages, 1k context) and a small GQA shape, f32 and bf16."""
-  if jax.devices()[0].platform != "gpu":
-    pytest.skip("needs a GPU")
+  require_gpu()
   rng = np.random.default_rng(3)
   for dtype, atol in ((jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)):
     args = _case(rng, tokens=8, num_heads=4, num_kv_heads=1, head_dim=256, page_size=16,

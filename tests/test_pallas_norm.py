@@ -13,6 +13,7 @@ from blink_jax.model import prepare_qkv as prepare_reference
 from blink_jax.model import rope_tables
 from blink_jax.pallas_attention import paged_decode_attention, query_rows
 from blink_jax.pallas_norm import add_rms_norm, chunk_size, prepare_qkv
+from tests.cuda_lowering import TRITON, lower_for_cuda, require_gpu
 
 
 def _case(rng, rows, width, dtype):
@@ -76,15 +77,10 @@ def test_rejects_mismatched_shapes():
 def test_lowers_to_one_triton_kernel_for_cuda(width):
   """Pallas' Triton lowering runs in Python, so the CUDA lowering of the Gemma 3 widths
   (rows that are not a power of two, loaded in 128-wide chunks) is checked without a GPU."""
-  from jax import export
   shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((1, width), (1, width), (width,),
                                                              (width,))]
-  f = jax.jit(lambda *a: add_rms_norm(*a, eps=1e-6, interpret=False))
-  triton = "__gpu$xla.gpu.triton"
-  exported = export.export(f, platforms=["cuda"], disabled_checks=[
-      export.DisabledSafetyCheck.custom_call(triton)])(*shapes)
-  text = exported.mlir_module()
-  assert text.count(f"@{triton}") == 1
+  text = lower_for_cuda(lambda *a: add_rms_norm(*a, eps=1e-6, interpret=False), *shapes)
+  assert text.count(f"@{TRITON}") == 1
   assert "stablehlo.while" not in text  # the interpreter would loop over the grid
 
 
@@ -149,25 +145,20 @@ def test_grouped_query_feeds_the_pallas_attention():
 
 def test_prepare_lowers_to_one_triton_kernel_for_cuda():
   """Gemma 3 1B's attention shape (4 query heads, 1 KV head, 256 dims), bf16, batch 1."""
-  from jax import export
   shapes = [jax.ShapeDtypeStruct(s, d) for s, d in (
       ((1, 4, 256), jnp.bfloat16), ((1, 1, 256), jnp.bfloat16), ((1, 1, 256), jnp.bfloat16),
       ((1, 128), jnp.float32), ((1, 128), jnp.float32), ((256,), jnp.bfloat16),
       ((256,), jnp.bfloat16))]
-  f = jax.jit(lambda *a: prepare_qkv(*a, 1e-6, query_rows=16, interpret=False))
-  triton = "__gpu$xla.gpu.triton"
-  exported = export.export(f, platforms=["cuda"], disabled_checks=[
-      export.DisabledSafetyCheck.custom_call(triton)])(*shapes)
-  text = exported.mlir_module()
-  assert text.count(f"@{triton}") == 1
+  text = lower_for_cuda(lambda *a: prepare_qkv(*a, 1e-6, query_rows=16, interpret=False),
+                        *shapes)
+  assert text.count(f"@{TRITON}") == 1
   assert "stablehlo.while" not in text
 
 
 @pytest.mark.gpu
 def test_compiled_kernel_matches_the_reference_on_the_gpu():
   """The Triton kernel at the Gemma 3 widths, one row and a batch, f32 and bf16."""
-  if jax.devices()[0].platform != "gpu":
-    pytest.skip("needs a GPU")
+  require_gpu()
   rng = np.random.default_rng(4)
   for width in (640, 1152):
     for rows in (1, 64):

@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from blink_jax.attention import kv_rows, paged_attention_reference, write_kv
 from blink_jax.pallas_prefill import _segments, block_tokens, paged_prefill_attention
+from tests.cuda_lowering import TRITON, lower_for_cuda, require_gpu
 
 
 def _case(rng, *, tokens, num_heads, num_kv_heads, head_dim, page_size, max_pages, seqs,
@@ -88,25 +89,20 @@ def test_segments_are_the_runs_of_each_block():
 def test_lowers_to_a_triton_kernel_for_cuda():
   """Gemma 3 1B's attention shape, bf16, a 256-token step: the attention and the merge,
   16 blocks of 16 tokens."""
-  from jax import export
   shapes = [jax.ShapeDtypeStruct(s, d) for s, d in (
       ((256, 4, 256), jnp.bfloat16), ((4864, 16, 512), jnp.bfloat16), ((64, 76), jnp.int32),
       ((256,), jnp.int32), ((256,), jnp.int32))]
-  f = jax.jit(lambda *a: paged_prefill_attention(*a, window=512, softcap=None, scale=0.0625,
-                                                 interpret=False))
-  triton = "__gpu$xla.gpu.triton"
-  exported = export.export(f, platforms=["cuda"], disabled_checks=[
-      export.DisabledSafetyCheck.custom_call(triton)])(*shapes)
-  text = exported.mlir_module()
-  assert text.count(f"@{triton}") == 2
+  text = lower_for_cuda(lambda *a: paged_prefill_attention(*a, window=512, softcap=None,
+                                                           scale=0.0625, interpret=False),
+                        *shapes)
+  assert text.count(f"@{TRITON}") == 2
   assert "grid_x = 16 : i32, grid_y = 1 : i32, grid_z = 16 : i32" in text
   assert "stablehlo.while" not in text
 
 
 @pytest.mark.gpu
 def test_compiled_kernel_matches_the_reference_on_the_gpu():
-  if jax.devices()[0].platform != "gpu":
-    pytest.skip("needs a GPU")
+  require_gpu()
   rng = np.random.default_rng(3)
   for dtype, atol in ((jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)):
     args = _case(rng, tokens=256, num_heads=4, num_kv_heads=1, head_dim=256, page_size=16,

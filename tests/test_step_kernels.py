@@ -8,13 +8,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from jax import export
 
 from blink_jax.config import get_config
 from blink_jax.executor import step_kernels
 from blink_jax.model import Gemma, init_kv_cache
-
-TRITON = "__gpu$xla.gpu.triton"
+from tests.cuda_lowering import TRITON, lower_for_cuda
 KERNELS = ("blink_add_rms_norm", "blink_prepare_qkv", "blink_paged_decode_attention",
            "blink_paged_decode_merge", "blink_paged_prefill_attention")
 
@@ -50,10 +48,8 @@ def _lowered_step(cfg, attention: str, norm: str, tokens: int) -> collections.Co
                                               **kernels)
   kv = jax.eval_shape(lambda: init_kv_cache(cfg, 64, 16))
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-  exported = export.export(jax.jit(step), platforms=["cuda"], disabled_checks=[
-      export.DisabledSafetyCheck.custom_call(TRITON)])(
-          state, kv, i32(tokens), i32(tokens), i32(tokens), i32(4, 16))
-  return _triton_calls(exported.mlir_module())
+  return _triton_calls(lower_for_cuda(step, state, kv, i32(tokens), i32(tokens), i32(tokens),
+                                      i32(4, 16)))
 
 
 @pytest.mark.parametrize("tokens", [1, 64])

@@ -1,0 +1,21 @@
+"""Pallas kernels lowered for CUDA without a GPU: Pallas' Triton lowering runs in Python, so
+`jax.export` for platform "cuda" on a CPU machine shows each kernel's Triton call (and its
+grid) or fails where Triton's lowering would. Also the skip of the compiled-kernel tests."""
+import jax
+import pytest
+from jax import export
+
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def lower_for_cuda(fn, *shapes) -> str:
+  """The StableHLO text of jit(fn) exported for CUDA at `shapes` (jax.ShapeDtypeStruct or
+  pytrees of them)."""
+  exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+      export.DisabledSafetyCheck.custom_call(TRITON)])(*shapes)
+  return exported.mlir_module()
+
+
+def require_gpu():
+  if jax.devices()[0].platform != "gpu":
+    pytest.skip("needs a GPU")
