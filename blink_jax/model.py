@@ -130,6 +130,7 @@ class Attention(nnx.Module):
     return tuple(_project(x, w[...].astype(x.dtype)) for w in (self.q, self.k, self.v))
 
   def rope_tables(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """This layer's RoPE cos and sin at positions (its base and scale)."""
     return rope_tables(positions, self.q.shape[-1], self.rope_base, self.rope_scale)
 
   def norm_weights(self) -> tuple[jax.Array | None, jax.Array | None]:
@@ -176,7 +177,7 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-  """One decoder layer, split around attention so both forwards share everything else."""
+  """One decoder layer's weights; `Gemma._run_layers` runs it around the attention."""
 
   def __init__(self, cfg: ModelConfig, layer: int, *, param_dtype: Any, rngs: nnx.Rngs):
     d = cfg.d_model
