@@ -12,8 +12,8 @@ conventional design of JetStream and vLLM); the baseline every benchmark compare
 from __future__ import annotations
 
 import contextlib
-import functools
 import dataclasses
+import functools
 import logging
 import os
 import re
