@@ -121,7 +121,8 @@ def tiny_config(family: str = "gemma3", **kw: Any) -> ModelConfig:
 # slow). Engine(attention=...): the paged decode attention (blink_jax.pallas_attention;
 # default auto: on the H200, 1B shape, a batch-1 token 1.81 vs 1.87 ms, batch 64 2.45 vs
 # 3.05 ms, bench/results/executor_latency_attn_*_h200.json). Engine(norm=...): the residual
-# add + RMSNorm pairs (blink_jax.pallas_norm; default reference until measured on a GPU).
+# add + RMSNorm pairs and the q/k norm + RoPE + cache row (blink_jax.pallas_norm; default
+# reference until measured on a GPU).
 KERNEL_KINDS = ("auto", "reference", "pallas")
 
 
@@ -133,3 +134,9 @@ def resolve_kernel(kind: str, platform: str, what: str) -> str:
   if kind == "auto":
     return "pallas" if platform == "gpu" else "reference"
   return kind
+
+
+def check_resolved(kind: str, what: str) -> None:
+  """Kernel selectors take a kind `resolve_kernel` already turned into an implementation."""
+  if kind not in ("reference", "pallas"):
+    raise ValueError(f"{what} kind must be resolved to 'reference' or 'pallas', got {kind!r}")

@@ -119,8 +119,9 @@ class Executor:
     attention: "reference" (the jnp paged attention everywhere), "pallas" (the Pallas
     decode kernel for buckets of up to `pallas_attention.MAX_ROWS` tokens, the reference for
     larger, prefill-sized buckets) or "auto" (pallas on a GPU, reference elsewhere).
-    norm: the same choice for the residual add + RMSNorm pairs (`pallas_norm`; the default
-    stays "reference" until the kernel is measured on a GPU)."""
+    norm: the same choice for the norm kernels (`pallas_norm`: residual add + RMSNorm pairs,
+    q/k norm + RoPE + cache row; the default stays "reference" until they are measured on a
+    GPU)."""
     F.register_targets()
     self.model = model
     self.sched = sched

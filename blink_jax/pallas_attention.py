@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from blink_jax.attention import MASK_VALUE, apply_softcap, paged_attention_reference
+from blink_jax.config import check_resolved
 
 # Largest token bucket that runs this kernel (decode and small mixed steps). Chosen, not
 # measured: whether prefill-sized buckets would gain too is what `gpu_check.sh prefill`
@@ -59,8 +60,7 @@ def uses_kernel(kind: str, rows: int) -> bool:
   """Whether a step of `rows` tokens runs this kernel: kind "pallas" and buckets up to
   MAX_ROWS tokens; the jnp reference otherwise (prefill-sized buckets, where every token
   would re-read its whole context). kind: resolved (`config.resolve_kernel`)."""
-  if kind not in ("reference", "pallas"):
-    raise ValueError(f"attention kind must be resolved to 'reference' or 'pallas', got {kind!r}")
+  check_resolved(kind, "attention")
   return kind == "pallas" and rows <= MAX_ROWS
 
 

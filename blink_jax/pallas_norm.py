@@ -30,6 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from blink_jax.config import check_resolved
 from blink_jax.model import add_rms_norm as add_rms_norm_reference
 from blink_jax.model import prepare_qkv as prepare_qkv_reference
 
@@ -48,8 +49,7 @@ def chunk_size(width: int) -> int:
 def select(kind: str, width: int, *, interpret: bool | None = None):
   """The add-norm function for rows of `width`: this kernel for kind "pallas" when the width
   splits into chunks of at least _MIN_CHUNK, `model.add_rms_norm` otherwise."""
-  if kind not in ("reference", "pallas"):
-    raise ValueError(f"norm kind must be resolved to 'reference' or 'pallas', got {kind!r}")
+  check_resolved(kind, "norm")
   if kind == "pallas" and chunk_size(width) >= _MIN_CHUNK:
     return functools.partial(add_rms_norm, interpret=interpret)
   return add_rms_norm_reference
@@ -112,8 +112,7 @@ def select_prepare(kind: str, *, query_rows: int | None = None,
   """The q/k preparation for kind "pallas" (this module's kernel; query_rows: hand the
   query grouped by KV head and padded to that many rows, for the Pallas attention) or
   "reference" (`model.prepare_qkv`)."""
-  if kind not in ("reference", "pallas"):
-    raise ValueError(f"norm kind must be resolved to 'reference' or 'pallas', got {kind!r}")
+  check_resolved(kind, "norm")
   if kind == "pallas":
     return functools.partial(prepare_qkv, query_rows=query_rows, interpret=interpret)
   return prepare_qkv_reference

@@ -37,7 +37,7 @@ flags.DEFINE_bool("fused", False, "one scheduler call per step (blink_step)")
 flags.DEFINE_enum("attention", "auto", config.KERNEL_KINDS,
                   "paged attention of buckets up to 64 tokens (Engine(attention=...))")
 flags.DEFINE_enum("norm", "reference", config.KERNEL_KINDS,
-                  "residual add + RMSNorm pairs (Engine(norm=...))")
+                  "norm kernels: add + RMSNorm pairs, q/k norm + RoPE (Engine(norm=...))")
 flags.DEFINE_enum("warm_up", "workload", ["workload", "shutdown"],
                   "before serving, run every bucket branch once (workload) or only one "
                   "schedule (shutdown) in XLA's op-by-op first execution (docs/NOTES.md, 16)")

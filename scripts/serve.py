@@ -59,8 +59,9 @@ flags.DEFINE_enum("attention", "auto", config.KERNEL_KINDS,
                   "kernel that reads KV pages in place (fewer kernels per step), or auto: "
                   "the kernel on a GPU, the reference elsewhere.")
 flags.DEFINE_enum("norm", "reference", config.KERNEL_KINDS,
-                  "Residual add + RMSNorm pairs: the jnp reference or one Pallas kernel per "
-                  "pair (auto: the kernel on a GPU); not yet measured on a GPU.")
+                  "Residual add + RMSNorm pairs and the q/k norm + RoPE: the jnp reference "
+                  "or one Pallas kernel each (auto: the kernels on a GPU); not yet measured "
+                  "on a GPU.")
 flags.DEFINE_string("shm_name", None, "Name of the mailbox's shared memory (default: random).")
 flags.DEFINE_string("relay_host", "127.0.0.1", "Address of the tcp relay (--transport tcp).")
 flags.DEFINE_integer("relay_port", 0, "Port of the tcp relay (0: any free port).")
