@@ -84,11 +84,22 @@ def qk_norm_rope(q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array,
   return qk[..., :n, :], qk[..., n:, :]
 
 
-def prepare_qkv(q: jax.Array, k: jax.Array, v: jax.Array, cos: jax.Array, sin: jax.Array,
-                q_weight: jax.Array | None, k_weight: jax.Array | None,
-                eps: float) -> tuple[jax.Array, jax.Array]:
-  """The projections of a ragged step, q [T, H, h], k, v [T, K, h] -> the attention's query
-  (`qk_norm_rope`) and each token's cache row [T, 2 * K * h] (keys, then values)."""
+def split_qkv(qkv: jax.Array, num_heads: int,
+              num_kv_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The fused projection qkv [..., (H + 2K) * h] (`Attention.project`) -> q [..., H, h],
+  k, v [..., K, h]."""
+  head_dim = qkv.shape[-1] // (num_heads + 2 * num_kv_heads)
+  heads = qkv.reshape(*qkv.shape[:-1], num_heads + 2 * num_kv_heads, head_dim)
+  return (heads[..., :num_heads, :], heads[..., num_heads:num_heads + num_kv_heads, :],
+          heads[..., num_heads + num_kv_heads:, :])
+
+
+def prepare_qkv(qkv: jax.Array, cos: jax.Array, sin: jax.Array, q_weight: jax.Array | None,
+                k_weight: jax.Array | None, eps: float, *, num_heads: int,
+                num_kv_heads: int) -> tuple[jax.Array, jax.Array]:
+  """The fused projection of a ragged step, qkv [T, (H + 2K) * h] -> the attention's query
+  [T, H, h] (`qk_norm_rope`) and each token's cache row [T, 2 * K * h] (keys, then values)."""
+  q, k, v = split_qkv(qkv, num_heads, num_kv_heads)
   q, k = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)
   return q, kv_rows(k, v)
 
@@ -125,9 +136,21 @@ class Attention(nnx.Module):
     """The keyword arguments of an attention function for this layer."""
     return dict(window=self.window, softcap=self.softcap, scale=self.scale)
 
-  def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [..., D] -> q [..., H, h], k, v [..., K, h] (before norms and RoPE)."""
-    return tuple(_project(x, w[...].astype(x.dtype)) for w in (self.q, self.k, self.v))
+  def project(self, x: jax.Array) -> jax.Array:
+    """x [..., D] -> the fused projection [..., (H + 2K) * h]: q, k, v heads (before norms
+    and RoPE) side by side, `split_qkv` parts them. One matmul with the weights
+    concatenated (XLA hoists the concatenation out of the serving loop, as its own dot
+    merger does), so a kernel that takes the projection reads it in place: three separate
+    outputs made XLA copy each slice of its merged matmul into a buffer of its own. A 2-D
+    matmul: at one row XLA's GPU backend compiled a 3-D einsum to a multiply that wrote the
+    whole weight-sized product, then a reduce (docs/NOTES.md, finding 18)."""
+    d = x.shape[-1]
+    w = jnp.concatenate([w[...].reshape(d, -1) for w in (self.q, self.k, self.v)], axis=1)
+    return x @ w.astype(x.dtype)
+
+  def heads(self) -> dict[str, int]:
+    """The head counts `split_qkv` and the prepare functions take."""
+    return dict(num_heads=self.q.shape[1], num_kv_heads=self.k.shape[1])
 
   def rope_tables(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """This layer's RoPE cos and sin at positions (its base and scale)."""
@@ -141,7 +164,7 @@ class Attention(nnx.Module):
 
   def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [..., D] -> q [..., H, h], k, v [..., K, h]; q and k normed (Gemma 3) and rotated."""
-    q, k, v = self.project(x)
+    q, k, v = split_qkv(self.project(x), **self.heads())
     q, k = qk_norm_rope(q, k, *self.rope_tables(positions), *self.norm_weights(), self.eps)
     return q, k, v
 
@@ -150,15 +173,6 @@ class Attention(nnx.Module):
     n, h, d = self.o.shape
     flat = attn.reshape(*attn.shape[:-2], n * h)
     return flat @ self.o[...].astype(attn.dtype).reshape(n * h, d)
-
-
-def _project(x: jax.Array, w: jax.Array) -> jax.Array:
-  """x [..., D] @ w [D, N, h] -> [..., N, h], as one 2-D matmul. At one row XLA's GPU backend
-  compiled the 3-D einsum to a multiply that wrote the whole weight-sized product, then a
-  reduce, while the MLP's 2-D matmuls became single fused reductions (docs/NOTES.md,
-  finding 18)."""
-  d, n, h = w.shape
-  return (x @ w.reshape(d, n * h)).reshape(*x.shape[:-1], n, h)
 
 
 class MLP(nnx.Module):
@@ -278,7 +292,8 @@ class Gemma(nnx.Module):
       key = (attn.rope_base, attn.rope_scale)
       if key not in tables:
         tables[key] = attn.rope_tables(positions)
-      q, rows = prepare_fn(*attn.project(y), *tables[key], *attn.norm_weights(), attn.eps)
+      q, rows = prepare_fn(attn.project(y), *tables[key], *attn.norm_weights(), attn.eps,
+                           **attn.heads())
       kv_pages = write_kv(kv_cache[i], rows, page_table, seq_ids, positions)
       new_cache.append(kv_pages)
       return attention_fn(q, kv_pages, page_table, seq_ids, positions, **attn.attention_kwargs())

@@ -240,16 +240,21 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       name="blink_paged_decode_attention",
   )(qg, kv_pages, kv_pages, table, bounds)
-  out = merge_splits(o, m, l, q.dtype, interpret=interpret)
+  # A power-of-two group is merged straight into the output's layout (the padding rows
+  # are never read): no slicing kernel between the merge and the output projection.
+  keep = group if group & (group - 1) == 0 else rows
+  out = merge_splits(o, m, l, q.dtype, keep=keep, interpret=interpret)
   return out[:, :, :group].reshape(tokens, num_heads, head_dim)
 
 
-def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, dtype,
-                 *, interpret: bool) -> jax.Array:
+def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, dtype, *, keep: int | None = None,
+                 interpret: bool) -> jax.Array:
   """The splits' partial softmaxes o [S, B, K, R, h], m, l [S, B, K, R] -> the normalised
-  output [B, K, R, h] in `dtype`: one more launch (XLA made three kernels of the same few
-  jnp ops); each program takes a slice of the head dims, so all splits fit its registers."""
-  splits, blocks, num_kv_heads, rows, head_dim = o.shape
+  output [B, K, keep, h] in `dtype` (the first `keep` rows, a power of two; default R): one
+  more launch (XLA made three kernels of the same few jnp ops); each program takes a slice
+  of the head dims, so all splits fit its registers."""
+  splits, blocks, num_kv_heads, _, head_dim = o.shape
+  rows = o.shape[3] if keep is None else keep
   dims = min(head_dim, max(16, _MERGE_ELEMENTS // (splits * rows)))
   return pl.pallas_call(
       _merge_kernel,

@@ -17,8 +17,9 @@ activation dtype before the add, the sum rounded before it is normed again.
 Between the QKV projection and the attention XLA runs five kernels per layer at batch 1
 (the q/k sums of squares, the k and the q norm + RoPE, the keys and values concatenated
 into the cache row, the query padded for the Pallas attention); `prepare_qkv` is one
-launch, a program per token, that writes the cache row and the query already grouped by
-KV head and padded (the layout `pallas_attention.paged_decode_attention` takes).
+launch, a program per token, that reads the fused projection in place and writes the cache
+row and the query already grouped by KV head and padded (the layout
+`pallas_attention.paged_decode_attention` takes).
 """
 from __future__ import annotations
 
@@ -58,21 +59,22 @@ def select(kind: str, width: int, *, interpret: bool | None = None):
 def _kernel(x_ref, branch_ref, add_w_ref, next_w_ref, x_out_ref, y_ref, *, eps: float,
             chunk: int):
   """One row: x_ref, branch_ref [D]; add_w_ref, next_w_ref [D] -> x_out_ref (x + normed
-  branch), y_ref (x_out normed), [D] each."""
+  branch), y_ref (x_out normed), [D] each. Every load comes first, every store last: Triton
+  cannot tell the refs apart, so it keeps a load that follows a store behind it, and a row
+  walked chunk by chunk paid one memory round trip per chunk (a slower step than XLA's)."""
   width = x_ref.shape[0]
   dtype = x_out_ref.dtype
   parts = [pl.ds(start, chunk) for start in range(0, width, chunk)]
-  branch = [branch_ref[p].astype(jnp.float32) for p in parts]
+  f32 = lambda ref: [ref[p].astype(jnp.float32) for p in parts]
+  branch, xs, add_w, next_w = f32(branch_ref), f32(x_ref), f32(add_w_ref), f32(next_w_ref)
   scale = lax.rsqrt(sum(jnp.sum(b * b) for b in branch) / width + eps)
-  summed = []
-  for p, b in zip(parts, branch):
-    normed = (b * scale * (1.0 + add_w_ref[p].astype(jnp.float32))).astype(dtype)
-    x = (x_ref[p].astype(jnp.float32) + normed.astype(jnp.float32)).astype(dtype)
+  summed = [(x + (b * scale * (1.0 + w)).astype(dtype).astype(jnp.float32)).astype(dtype)
+            for x, b, w in zip(xs, branch, add_w)]
+  sums = [x.astype(jnp.float32) for x in summed]
+  scale = lax.rsqrt(sum(jnp.sum(x * x) for x in sums) / width + eps)
+  for p, x, xf, w in zip(parts, summed, sums, next_w):
     x_out_ref[p] = x
-    summed.append(x.astype(jnp.float32))
-  scale = lax.rsqrt(sum(jnp.sum(x * x) for x in summed) / width + eps)
-  for p, x in zip(parts, summed):
-    y_ref[p] = (x * scale * (1.0 + next_w_ref[p].astype(jnp.float32))).astype(dtype)
+    y_ref[p] = (xf * scale * (1.0 + w)).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
@@ -118,80 +120,90 @@ def select_prepare(kind: str, *, query_rows: int | None = None,
   return prepare_qkv_reference
 
 
-def _prepare_kernel(q_ref, k_ref, v_ref, cos_ref, sin_ref, qw_ref, kw_ref, q_out_ref, row_ref,
-                    *, eps: float, normed: bool):
-  """One token: q_ref [H, h], k_ref, v_ref [K, h]; cos_ref, sin_ref [h/2]; qw_ref, kw_ref
-  [h] -> q_out_ref [K, R, h] (query head n at KV head n // G, row n % G; rows G.. zero) and
-  row_ref [2 * K * h] (rotated keys, then values)."""
-  num_heads, head_dim = q_ref.shape
-  num_kv, rows = q_out_ref.shape[:2]
+def _prepare_kernel(qkv_ref, cos_ref, sin_ref, qw_ref, kw_ref, q_out_ref, row_ref, *,
+                    eps: float, normed: bool, num_heads: int):
+  """One token: qkv_ref [(H + 2K) * h] (the fused projection); cos_ref, sin_ref [h/2];
+  qw_ref, kw_ref [h] -> q_out_ref [K, R, h] (query head n at KV head n // G, row n % G; rows
+  G.. zero) and row_ref [2 * K * h] (rotated keys, then values). Loads first, stores last
+  (see `_kernel`)."""
+  num_kv, rows, head_dim = q_out_ref.shape
   group, half = num_heads // num_kv, head_dim // 2
   dtype = q_out_ref.dtype
   first, second = pl.ds(0, half), pl.ds(half, half)
-  cos, sin = cos_ref[...], sin_ref[...]
 
-  def rotate(ref, head, weight_ref):
-    x1 = ref[head, first].astype(jnp.float32)
-    x2 = ref[head, second].astype(jnp.float32)
+  def halves(head):
+    return (qkv_ref[pl.ds(head * head_dim, half)].astype(jnp.float32),
+            qkv_ref[pl.ds(head * head_dim + half, half)].astype(jnp.float32))
+  queries = [halves(n) for n in range(num_heads)]
+  keys = [halves(num_heads + kv) for kv in range(num_kv)]
+  values = [qkv_ref[pl.ds((num_heads + num_kv + kv) * head_dim, head_dim)]
+            for kv in range(num_kv)]
+  cos, sin = cos_ref[...], sin_ref[...]
+  weights = [(w[first].astype(jnp.float32), w[second].astype(jnp.float32))
+             for w in (qw_ref, kw_ref)] if normed else [None, None]
+
+  def rotate(x, weight):
+    x1, x2 = x
     if normed:  # as rms_norm: float32, rounded to the activation dtype before RoPE
       scale = lax.rsqrt((jnp.sum(x1 * x1) + jnp.sum(x2 * x2)) / head_dim + eps)
-      x1 = (x1 * scale * (1.0 + weight_ref[first].astype(jnp.float32))).astype(dtype)
-      x2 = (x2 * scale * (1.0 + weight_ref[second].astype(jnp.float32))).astype(dtype)
-      x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+      x1 = (x1 * scale * (1.0 + weight[0])).astype(dtype).astype(jnp.float32)
+      x2 = (x2 * scale * (1.0 + weight[1])).astype(dtype).astype(jnp.float32)
     return (x1 * cos - x2 * sin).astype(dtype), (x2 * cos + x1 * sin).astype(dtype)
 
-  for n in range(num_heads):
-    o1, o2 = rotate(q_ref, n, qw_ref)
+  rotated_q = [rotate(x, weights[0]) for x in queries]
+  rotated_k = [rotate(x, weights[1]) for x in keys]
+  zeros = jnp.zeros((head_dim,), dtype)
+  for n, (o1, o2) in enumerate(rotated_q):
     q_out_ref[n // group, n % group, first] = o1
     q_out_ref[n // group, n % group, second] = o2
-  zeros = jnp.zeros((head_dim,), dtype)
-  for kv in range(num_kv):
+  for kv, ((o1, o2), v) in enumerate(zip(rotated_k, values)):
     for r in range(group, rows):
       q_out_ref[kv, r, :] = zeros
-    o1, o2 = rotate(k_ref, kv, kw_ref)
     row_ref[pl.ds(kv * head_dim, half)] = o1
     row_ref[pl.ds(kv * head_dim + half, half)] = o2
-    row_ref[pl.ds((num_kv + kv) * head_dim, head_dim)] = v_ref[kv, :].astype(dtype)
+    row_ref[pl.ds((num_kv + kv) * head_dim, head_dim)] = v.astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "query_rows", "interpret"))
-def prepare_qkv(q: jax.Array, k: jax.Array, v: jax.Array, cos: jax.Array, sin: jax.Array,
-                q_weight: jax.Array | None, k_weight: jax.Array | None, eps: float, *,
+@functools.partial(jax.jit, static_argnames=("eps", "num_heads", "num_kv_heads", "query_rows",
+                                             "interpret"))
+def prepare_qkv(qkv: jax.Array, cos: jax.Array, sin: jax.Array, q_weight: jax.Array | None,
+                k_weight: jax.Array | None, eps: float, *, num_heads: int, num_kv_heads: int,
                 query_rows: int | None = None,
                 interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
-  """`model.prepare_qkv` as one kernel: q [T, H, h], k, v [T, K, h], cos, sin [T, h/2] ->
-  the query ([T, H, h]; with query_rows, [T, K, query_rows, h], grouped by KV head with
-  zero rows after each group) and the cache rows [T, 2 * K * h]."""
+  """`model.prepare_qkv` as one kernel: qkv [T, (H + 2K) * h], cos, sin [T, h/2] -> the
+  query ([T, H, h]; with query_rows, [T, K, query_rows, h], grouped by KV head with zero
+  rows after each group) and the cache rows [T, 2 * K * h]."""
   if interpret is None:
     interpret = jax.devices()[0].platform != "gpu"
-  tokens, num_heads, head_dim = q.shape
-  num_kv = k.shape[1]
-  group = num_heads // num_kv
+  tokens, width = qkv.shape
+  heads = num_heads + 2 * num_kv_heads
+  head_dim = width // heads
+  group = num_heads // max(num_kv_heads, 1)
   rows = group if query_rows is None else query_rows
-  if (num_heads % num_kv or k.shape != v.shape or k.shape[::2] != q.shape[::2]
-      or head_dim % 2 or cos.shape != (tokens, head_dim // 2) or rows < group):
-    raise ValueError(f"prepare_qkv: q {q.shape}, k {k.shape}, v {v.shape}, cos {cos.shape}, "
-                     f"query_rows {query_rows} do not match")
+  if (not num_kv_heads or num_heads % num_kv_heads or width % heads or head_dim % 2
+      or cos.shape != (tokens, head_dim // 2) or sin.shape != cos.shape or rows < group):
+    raise ValueError(f"prepare_qkv: qkv {qkv.shape}, {num_heads} query and {num_kv_heads} KV "
+                     f"heads, cos {cos.shape}, sin {sin.shape}, query_rows {query_rows} do "
+                     f"not match")
   normed = q_weight is not None
   if not normed:  # the kernel's signature is fixed: unused weights
-    q_weight = k_weight = jnp.zeros((head_dim,), q.dtype)
+    q_weight = k_weight = jnp.zeros((head_dim,), qkv.dtype)
 
   def per_token(*shape):
     return pl.BlockSpec((None, *shape), lambda t: (t,) + (0,) * len(shape))
   whole = pl.BlockSpec((head_dim,), lambda t: (0,))
   query, cache_rows = pl.pallas_call(
-      functools.partial(_prepare_kernel, eps=eps, normed=normed),
+      functools.partial(_prepare_kernel, eps=eps, normed=normed, num_heads=num_heads),
       grid=(tokens,),
-      in_specs=[per_token(num_heads, head_dim), per_token(num_kv, head_dim),
-                per_token(num_kv, head_dim), per_token(head_dim // 2),
-                per_token(head_dim // 2), whole, whole],
-      out_specs=[per_token(num_kv, rows, head_dim), per_token(2 * num_kv * head_dim)],
-      out_shape=[jax.ShapeDtypeStruct((tokens, num_kv, rows, head_dim), q.dtype),
-                 jax.ShapeDtypeStruct((tokens, 2 * num_kv * head_dim), q.dtype)],
+      in_specs=[per_token(width), per_token(head_dim // 2), per_token(head_dim // 2), whole,
+                whole],
+      out_specs=[per_token(num_kv_heads, rows, head_dim), per_token(2 * num_kv_heads * head_dim)],
+      out_shape=[jax.ShapeDtypeStruct((tokens, num_kv_heads, rows, head_dim), qkv.dtype),
+                 jax.ShapeDtypeStruct((tokens, 2 * num_kv_heads * head_dim), qkv.dtype)],
       interpret=interpret,
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
       name="blink_prepare_qkv",
-  )(q, k, v, cos.astype(jnp.float32), sin.astype(jnp.float32), q_weight, k_weight)
+  )(qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), q_weight, k_weight)
   if query_rows is None:
     query = query.reshape(tokens, num_heads, head_dim)
   return query, cache_rows

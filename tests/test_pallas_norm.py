@@ -85,19 +85,20 @@ def test_lowers_to_one_triton_kernel_for_cuda(width):
 
 
 def _prepare_case(rng, tokens, num_heads, num_kv, head_dim, dtype, normed=True):
-  q = jnp.asarray(rng.standard_normal((tokens, num_heads, head_dim)) * 2, dtype)
-  k, v = (jnp.asarray(rng.standard_normal((tokens, num_kv, head_dim)) * 2, dtype)
-          for _ in range(2))
+  """(the positional arguments of prepare_qkv before eps, its head-count keywords)."""
+  qkv = jnp.asarray(rng.standard_normal((tokens, (num_heads + 2 * num_kv) * head_dim)) * 2,
+                    dtype)
   positions = jnp.asarray(rng.integers(0, 40_000, tokens), jnp.int32)
   cos, sin = rope_tables(positions, head_dim, 10_000.0, 8.0)
   weights = [jnp.asarray(rng.standard_normal(head_dim) * 0.2, dtype) if normed else None
              for _ in range(2)]
-  return q, k, v, cos, sin, *weights
+  return (qkv, cos, sin, *weights), dict(num_heads=num_heads, num_kv_heads=num_kv)
 
 
-def _check_prepare(args, *, atol, query_rows=None, **kw):
-  q, rows = prepare_qkv(*args, 1e-6, query_rows=query_rows, **kw)
-  want_q, want_rows = prepare_reference(*args, 1e-6)
+def _check_prepare(case, *, atol, query_rows=None, **kw):
+  args, heads = case
+  q, rows = prepare_qkv(*args, 1e-6, query_rows=query_rows, **heads, **kw)
+  want_q, want_rows = prepare_reference(*args, 1e-6, **heads)
   if query_rows is not None:  # grouped by KV head, zero rows after each group
     tokens, num_heads, head_dim = want_q.shape
     num_kv = q.shape[1]
@@ -116,22 +117,22 @@ def _check_prepare(args, *, atol, query_rows=None, **kw):
        group=st.sampled_from([1, 2, 4]), head_dim=st.sampled_from([8, 16, 64]),
        normed=st.booleans(), grouped=st.booleans())
 def test_prepare_matches_the_reference(seed, tokens, num_kv, group, head_dim, normed, grouped):
-  args = _prepare_case(np.random.default_rng(seed), tokens, num_kv * group, num_kv, head_dim,
+  case = _prepare_case(np.random.default_rng(seed), tokens, num_kv * group, num_kv, head_dim,
                        jnp.float32, normed)
-  _check_prepare(args, atol=1e-5, query_rows=query_rows(group) if grouped else None)
+  _check_prepare(case, atol=1e-5, query_rows=query_rows(group) if grouped else None)
 
 
 def test_prepare_bf16_rounds_like_the_reference():
-  args = _prepare_case(np.random.default_rng(5), 3, 4, 1, 256, jnp.bfloat16)
-  _check_prepare(args, atol=2e-2, query_rows=16)
+  case = _prepare_case(np.random.default_rng(5), 3, 4, 1, 256, jnp.bfloat16)
+  _check_prepare(case, atol=2e-2, query_rows=16)
 
 
 def test_grouped_query_feeds_the_pallas_attention():
   # The grouped, padded query gives the attention the same result as the plain one.
   rng = np.random.default_rng(6)
-  q, k, v, cos, sin, qw, kw = _prepare_case(rng, 4, 4, 1, 16, jnp.float32)
-  plain, _ = prepare_qkv(q, k, v, cos, sin, qw, kw, 1e-6)
-  grouped, _ = prepare_qkv(q, k, v, cos, sin, qw, kw, 1e-6, query_rows=16)
+  args, heads = _prepare_case(rng, 4, 4, 1, 16, jnp.float32)
+  plain, _ = prepare_qkv(*args, 1e-6, **heads)
+  grouped, _ = prepare_qkv(*args, 1e-6, query_rows=16, **heads)
   kv_pages = jnp.asarray(rng.standard_normal((9, 4, 2 * 16)), jnp.float32)
   table = jnp.asarray(rng.permutation(9)[:8].reshape(2, 4), jnp.int32)
   seq_ids, positions = jnp.array([0, 1, 1, -1]), jnp.array([3, 15, 7, 0])
@@ -146,11 +147,10 @@ def test_grouped_query_feeds_the_pallas_attention():
 def test_prepare_lowers_to_one_triton_kernel_for_cuda():
   """Gemma 3 1B's attention shape (4 query heads, 1 KV head, 256 dims), bf16, batch 1."""
   shapes = [jax.ShapeDtypeStruct(s, d) for s, d in (
-      ((1, 4, 256), jnp.bfloat16), ((1, 1, 256), jnp.bfloat16), ((1, 1, 256), jnp.bfloat16),
-      ((1, 128), jnp.float32), ((1, 128), jnp.float32), ((256,), jnp.bfloat16),
-      ((256,), jnp.bfloat16))]
-  text = lower_for_cuda(lambda *a: prepare_qkv(*a, 1e-6, query_rows=16, interpret=False),
-                        *shapes)
+      ((1, 6 * 256), jnp.bfloat16), ((1, 128), jnp.float32), ((1, 128), jnp.float32),
+      ((256,), jnp.bfloat16), ((256,), jnp.bfloat16))]
+  text = lower_for_cuda(lambda *a: prepare_qkv(*a, 1e-6, num_heads=4, num_kv_heads=1,
+                                               query_rows=16, interpret=False), *shapes)
   assert text.count(f"@{TRITON}") == 1
   assert "stablehlo.while" not in text
 
@@ -166,6 +166,6 @@ def test_compiled_kernel_matches_the_reference_on_the_gpu():
       _check(_case(rng, rows, width, jnp.bfloat16), atol=1e-2, interpret=False)
   for dtype, atol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)):
     for tokens in (1, 64):
-      args = _prepare_case(rng, tokens, 4, 1, 256, dtype)
-      _check_prepare(args, atol=atol, query_rows=16, interpret=False)
-      _check_prepare(args, atol=atol, interpret=False)
+      case = _prepare_case(rng, tokens, 4, 1, 256, dtype)
+      _check_prepare(case, atol=atol, query_rows=16, interpret=False)
+      _check_prepare(case, atol=atol, interpret=False)
