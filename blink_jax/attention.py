@@ -35,27 +35,39 @@ def kv_rows(k: jax.Array, v: jax.Array) -> jax.Array:
   return jnp.concatenate([k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)], axis=1)
 
 
-def write_kv(kv_pages: jax.Array, rows: jax.Array, page_table: jax.Array,
-             seq_ids: jax.Array, positions: jax.Array) -> jax.Array:
-  """Writes each token's cache row (rows [T, 2 * K * h], `kv_rows`) at its (sequence,
-  position) row of the pages.
-
-  Rows with seq_id < 0 (padding), a position past the page table or an out-of-range page id
-  are dropped, not written (rather than overwriting some other slot).
-  """
+def cache_slots(page_table: jax.Array, seq_ids: jax.Array, positions: jax.Array,
+                num_pages: int, page_size: int) -> jax.Array:
+  """Each token's row of the cache seen as [P * page_size, width] (its page * page_size + its
+  position % page_size), int32 [T]; `num_pages * page_size` (one past the end) for a token
+  that must write nothing: padding (seq_id < 0), a position past the page table, an
+  out-of-range page id (rather than overwriting some other slot). The same for every layer:
+  computed once per step."""
   page_table, seq_ids, positions = map(jnp.asarray, (page_table, seq_ids, positions))
-  num_pages, page_size, width = kv_pages.shape
   max_pages = page_table.shape[1]
   page_idx = positions // page_size
   valid = (seq_ids >= 0) & (page_idx >= 0) & (page_idx < max_pages)
   page_idx = jnp.clip(page_idx, 0, max_pages - 1)
   page = page_table[jnp.maximum(seq_ids, 0), page_idx]
   valid &= (page >= 0) & (page < num_pages)
-  # An index one past the end is dropped by mode="drop" (a negative one would wrap around).
-  slot = jnp.where(valid, page * page_size + positions % page_size, num_pages * page_size)
+  return jnp.where(valid, page * page_size + positions % page_size,
+                   num_pages * page_size).astype(jnp.int32)
+
+
+def write_rows(kv_pages: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
+  """Writes each token's cache row (rows [T, 2 * K * h], `kv_rows`) at its `cache_slots`
+  slot; a slot one past the end is dropped (mode="drop"; a negative one would wrap)."""
+  num_pages, page_size, width = kv_pages.shape
   flat = kv_pages.reshape(num_pages * page_size, width)
-  flat = flat.at[slot].set(rows.astype(kv_pages.dtype), mode="drop")
+  flat = flat.at[slots].set(rows.astype(kv_pages.dtype), mode="drop")
   return flat.reshape(kv_pages.shape)
+
+
+def write_kv(kv_pages: jax.Array, rows: jax.Array, page_table: jax.Array,
+             seq_ids: jax.Array, positions: jax.Array) -> jax.Array:
+  """Writes each token's cache row (rows [T, 2 * K * h], `kv_rows`) at its (sequence,
+  position) row of the pages; tokens without a valid slot write nothing (`cache_slots`)."""
+  return write_rows(kv_pages, rows, cache_slots(page_table, seq_ids, positions,
+                                                *kv_pages.shape[:2]))
 
 
 def paged_attention_reference(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array,

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from blink_jax.attention import (MASK_VALUE, apply_softcap, kv_rows, paged_attention_reference,
-                                 write_kv)
+from blink_jax.attention import (MASK_VALUE, apply_softcap, cache_slots, kv_rows,
+                                 paged_attention_reference, write_rows)
 from blink_jax.config import ModelConfig
 
 KVCache = list[jax.Array]  # per layer kv_pages [P, page, 2 * K * h]: keys, then values
@@ -95,13 +95,14 @@ def split_qkv(qkv: jax.Array, num_heads: int,
 
 
 def prepare_qkv(qkv: jax.Array, cos: jax.Array, sin: jax.Array, q_weight: jax.Array | None,
-                k_weight: jax.Array | None, eps: float, *, num_heads: int,
-                num_kv_heads: int) -> tuple[jax.Array, jax.Array]:
+                k_weight: jax.Array | None, eps: float, kv_pages: jax.Array, slots: jax.Array,
+                *, num_heads: int, num_kv_heads: int) -> tuple[jax.Array, jax.Array]:
   """The fused projection of a ragged step, qkv [T, (H + 2K) * h] -> the attention's query
-  [T, H, h] (`qk_norm_rope`) and each token's cache row [T, 2 * K * h] (keys, then values)."""
+  [T, H, h] (`qk_norm_rope`) and the cache kv_pages with each token's row (keys, then
+  values) written at its `attention.cache_slots` slot."""
   q, k, v = split_qkv(qkv, num_heads, num_kv_heads)
   q, k = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)
-  return q, kv_rows(k, v)
+  return q, write_rows(kv_pages, kv_rows(k, v), slots)
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype: Any) -> nnx.Param:
@@ -275,10 +276,10 @@ class Gemma(nnx.Module):
 
     Returns the final hidden states [T, D] (before the final norm; see `logits`) and the new
     caches. The kernels default to the jnp math: `attention_fn` to
-    `paged_attention_reference`, `add_norm_fn` to `add_rms_norm`, `prepare_fn` (projections
-    -> the attention's query and the cache rows) to `prepare_qkv`; a faster set must agree
-    on the query's layout (`pallas_norm.prepare_qkv` can hand the Pallas attention its query
-    already grouped and padded).
+    `paged_attention_reference`, `add_norm_fn` to `add_rms_norm`, `prepare_fn` (the fused
+    projection -> the attention's query and the cache with the step's rows written) to
+    `prepare_qkv`; a faster set must agree on the query's layout (`pallas_norm.prepare_qkv`
+    can hand the Pallas attention its query already grouped and padded).
     """
     attention_fn = paged_attention_reference if attention_fn is None else attention_fn
     prepare_fn = prepare_qkv if prepare_fn is None else prepare_fn
@@ -286,15 +287,15 @@ class Gemma(nnx.Module):
       raise ValueError(f"{len(kv_cache)} KV caches for {len(self.layers)} layers")
     new_cache = []
     tables = {}  # (base, scale) -> cos, sin: computed once per step, not once per layer
+    slots = cache_slots(page_table, seq_ids, positions, *kv_cache[0].shape[:2])
 
     def attend(i, layer, y):
       attn = layer.attn
       key = (attn.rope_base, attn.rope_scale)
       if key not in tables:
         tables[key] = attn.rope_tables(positions)
-      q, rows = prepare_fn(attn.project(y), *tables[key], *attn.norm_weights(), attn.eps,
-                           **attn.heads())
-      kv_pages = write_kv(kv_cache[i], rows, page_table, seq_ids, positions)
+      q, kv_pages = prepare_fn(attn.project(y), *tables[key], *attn.norm_weights(), attn.eps,
+                               kv_cache[i], slots, **attn.heads())
       new_cache.append(kv_pages)
       return attention_fn(q, kv_pages, page_table, seq_ids, positions, **attn.attention_kwargs())
     x = self._run_layers(self.embed_tokens(tokens), attend, add_norm_fn)

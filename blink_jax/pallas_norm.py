@@ -17,9 +17,10 @@ activation dtype before the add, the sum rounded before it is normed again.
 Between the QKV projection and the attention XLA runs five kernels per layer at batch 1
 (the q/k sums of squares, the k and the q norm + RoPE, the keys and values concatenated
 into the cache row, the query padded for the Pallas attention); `prepare_qkv` is one
-launch, a program per token, that reads the fused projection in place and writes the cache
-row and the query already grouped by KV head and padded (the layout
-`pallas_attention.paged_decode_attention` takes).
+launch, a program per token, that reads the fused projection in place, writes its row
+into the (aliased) cache and the query already grouped by KV head and padded (the layout
+`pallas_attention.paged_decode_attention` takes); XLA's scatter of the row into the cache
+was two more kernels per layer.
 """
 from __future__ import annotations
 
@@ -120,13 +121,15 @@ def select_prepare(kind: str, *, query_rows: int | None = None,
   return prepare_qkv_reference
 
 
-def _prepare_kernel(qkv_ref, cos_ref, sin_ref, qw_ref, kw_ref, q_out_ref, row_ref, *,
-                    eps: float, normed: bool, num_heads: int):
-  """One token: qkv_ref [(H + 2K) * h] (the fused projection); cos_ref, sin_ref [h/2];
-  qw_ref, kw_ref [h] -> q_out_ref [K, R, h] (query head n at KV head n // G, row n % G; rows
-  G.. zero) and row_ref [2 * K * h] (rotated keys, then values). Loads first, stores last
+def _prepare_kernel(qkv_ref, cos_ref, sin_ref, qw_ref, kw_ref, slots_ref, _, q_out_ref,
+                    cache_ref, *, eps: float, normed: bool, num_heads: int):
+  """One token t: qkv_ref [(H + 2K) * h] (the fused projection); cos_ref, sin_ref [h/2];
+  qw_ref, kw_ref [h]; slots_ref [T] -> q_out_ref [K, R, h] (query head n at KV head n // G,
+  row n % G; rows G.. zero) and its row of cache_ref [P, page_size, 2 * K * h] (rotated
+  keys, then values) at slots_ref[t], unless that is past the end. Loads first, stores last
   (see `_kernel`)."""
   num_kv, rows, head_dim = q_out_ref.shape
+  num_pages, page_size, _ = cache_ref.shape
   group, half = num_heads // num_kv, head_dim // 2
   dtype = q_out_ref.dtype
   first, second = pl.ds(0, half), pl.ds(half, half)
@@ -141,6 +144,7 @@ def _prepare_kernel(qkv_ref, cos_ref, sin_ref, qw_ref, kw_ref, q_out_ref, row_re
   cos, sin = cos_ref[...], sin_ref[...]
   weights = [(w[first].astype(jnp.float32), w[second].astype(jnp.float32))
              for w in (qw_ref, kw_ref)] if normed else [None, None]
+  slot = slots_ref[pl.program_id(0)]
 
   def rotate(x, weight):
     x1, x2 = x
@@ -156,23 +160,30 @@ def _prepare_kernel(qkv_ref, cos_ref, sin_ref, qw_ref, kw_ref, q_out_ref, row_re
   for n, (o1, o2) in enumerate(rotated_q):
     q_out_ref[n // group, n % group, first] = o1
     q_out_ref[n // group, n % group, second] = o2
-  for kv, ((o1, o2), v) in enumerate(zip(rotated_k, values)):
+  for kv in range(num_kv):
     for r in range(group, rows):
       q_out_ref[kv, r, :] = zeros
-    row_ref[pl.ds(kv * head_dim, half)] = o1
-    row_ref[pl.ds(kv * head_dim + half, half)] = o2
-    row_ref[pl.ds((num_kv + kv) * head_dim, head_dim)] = v.astype(dtype)
+
+  @pl.when(slot < num_pages * page_size)
+  def _():
+    page, row = slot // page_size, slot % page_size
+    for kv, ((o1, o2), v) in enumerate(zip(rotated_k, values)):
+      cache_ref[page, row, pl.ds(kv * head_dim, half)] = o1.astype(cache_ref.dtype)
+      cache_ref[page, row, pl.ds(kv * head_dim + half, half)] = o2.astype(cache_ref.dtype)
+      cache_ref[page, row, pl.ds((num_kv + kv) * head_dim, head_dim)] = v.astype(cache_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_heads", "num_kv_heads", "query_rows",
                                              "interpret"))
 def prepare_qkv(qkv: jax.Array, cos: jax.Array, sin: jax.Array, q_weight: jax.Array | None,
-                k_weight: jax.Array | None, eps: float, *, num_heads: int, num_kv_heads: int,
-                query_rows: int | None = None,
+                k_weight: jax.Array | None, eps: float, kv_pages: jax.Array, slots: jax.Array,
+                *, num_heads: int, num_kv_heads: int, query_rows: int | None = None,
                 interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
-  """`model.prepare_qkv` as one kernel: qkv [T, (H + 2K) * h], cos, sin [T, h/2] -> the
-  query ([T, H, h]; with query_rows, [T, K, query_rows, h], grouped by KV head with zero
-  rows after each group) and the cache rows [T, 2 * K * h]."""
+  """`model.prepare_qkv` as one kernel: qkv [T, (H + 2K) * h], cos, sin [T, h/2], kv_pages
+  [P, page_size, 2 * K * h], slots [T] (`attention.cache_slots`) -> the query ([T, H, h];
+  with query_rows, [T, K, query_rows, h], grouped by KV head with zero rows after each
+  group) and kv_pages with the tokens' rows written in place (the cache is aliased: no copy
+  of it, no separate scatter kernel)."""
   if interpret is None:
     interpret = jax.devices()[0].platform != "gpu"
   tokens, width = qkv.shape
@@ -181,29 +192,34 @@ def prepare_qkv(qkv: jax.Array, cos: jax.Array, sin: jax.Array, q_weight: jax.Ar
   group = num_heads // max(num_kv_heads, 1)
   rows = group if query_rows is None else query_rows
   if (not num_kv_heads or num_heads % num_kv_heads or width % heads or head_dim % 2
-      or cos.shape != (tokens, head_dim // 2) or sin.shape != cos.shape or rows < group):
+      or cos.shape != (tokens, head_dim // 2) or sin.shape != cos.shape or rows < group
+      or kv_pages.ndim != 3 or kv_pages.shape[2] != 2 * num_kv_heads * head_dim
+      or slots.shape != (tokens,)):
     raise ValueError(f"prepare_qkv: qkv {qkv.shape}, {num_heads} query and {num_kv_heads} KV "
-                     f"heads, cos {cos.shape}, sin {sin.shape}, query_rows {query_rows} do "
-                     f"not match")
+                     f"heads, cos {cos.shape}, sin {sin.shape}, query_rows {query_rows}, "
+                     f"kv_pages {kv_pages.shape}, slots {slots.shape} do not match")
   normed = q_weight is not None
   if not normed:  # the kernel's signature is fixed: unused weights
     q_weight = k_weight = jnp.zeros((head_dim,), qkv.dtype)
 
   def per_token(*shape):
     return pl.BlockSpec((None, *shape), lambda t: (t,) + (0,) * len(shape))
-  whole = pl.BlockSpec((head_dim,), lambda t: (0,))
-  query, cache_rows = pl.pallas_call(
+  whole = lambda shape: pl.BlockSpec(shape, lambda t: (0,) * len(shape))
+  query, kv_pages = pl.pallas_call(
       functools.partial(_prepare_kernel, eps=eps, normed=normed, num_heads=num_heads),
       grid=(tokens,),
-      in_specs=[per_token(width), per_token(head_dim // 2), per_token(head_dim // 2), whole,
-                whole],
-      out_specs=[per_token(num_kv_heads, rows, head_dim), per_token(2 * num_kv_heads * head_dim)],
+      in_specs=[per_token(width), per_token(head_dim // 2), per_token(head_dim // 2),
+                whole((head_dim,)), whole((head_dim,)), whole((tokens,)),
+                whole(kv_pages.shape)],
+      out_specs=[per_token(num_kv_heads, rows, head_dim), whole(kv_pages.shape)],
       out_shape=[jax.ShapeDtypeStruct((tokens, num_kv_heads, rows, head_dim), qkv.dtype),
-                 jax.ShapeDtypeStruct((tokens, 2 * num_kv_heads * head_dim), qkv.dtype)],
+                 jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype)],
+      input_output_aliases={6: 1},
       interpret=interpret,
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
       name="blink_prepare_qkv",
-  )(qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), q_weight, k_weight)
+  )(qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), q_weight, k_weight,
+    slots.astype(jnp.int32), kv_pages)
   if query_rows is None:
     query = query.reshape(tokens, num_heads, head_dim)
-  return query, cache_rows
+  return query, kv_pages

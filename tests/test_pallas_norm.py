@@ -85,20 +85,25 @@ def test_lowers_to_one_triton_kernel_for_cuda(width):
 
 
 def _prepare_case(rng, tokens, num_heads, num_kv, head_dim, dtype, normed=True):
-  """(the positional arguments of prepare_qkv before eps, its head-count keywords)."""
+  """(the positional arguments of prepare_qkv before eps, the cache and its slots, the
+  head-count keywords). The slots hit distinct rows of a 3-page cache, one past its end
+  (padding: writes nothing) when there are more tokens than rows."""
   qkv = jnp.asarray(rng.standard_normal((tokens, (num_heads + 2 * num_kv) * head_dim)) * 2,
                     dtype)
   positions = jnp.asarray(rng.integers(0, 40_000, tokens), jnp.int32)
   cos, sin = rope_tables(positions, head_dim, 10_000.0, 8.0)
   weights = [jnp.asarray(rng.standard_normal(head_dim) * 0.2, dtype) if normed else None
              for _ in range(2)]
-  return (qkv, cos, sin, *weights), dict(num_heads=num_heads, num_kv_heads=num_kv)
+  kv_pages = jnp.asarray(rng.standard_normal((3, 4, 2 * num_kv * head_dim)), dtype)
+  slots = rng.permutation(13)[:tokens]  # 12 = 3 x 4 rows; slot 12 is past the end
+  return ((qkv, cos, sin, *weights), (kv_pages, jnp.asarray(slots, jnp.int32)),
+          dict(num_heads=num_heads, num_kv_heads=num_kv))
 
 
 def _check_prepare(case, *, atol, query_rows=None, **kw):
-  args, heads = case
-  q, rows = prepare_qkv(*args, 1e-6, query_rows=query_rows, **heads, **kw)
-  want_q, want_rows = prepare_reference(*args, 1e-6, **heads)
+  args, cache, heads = case
+  q, pages = prepare_qkv(*args, 1e-6, *cache, query_rows=query_rows, **heads, **kw)
+  want_q, want_pages = prepare_reference(*args, 1e-6, *cache, **heads)
   if query_rows is not None:  # grouped by KV head, zero rows after each group
     tokens, num_heads, head_dim = want_q.shape
     num_kv = q.shape[1]
@@ -106,7 +111,7 @@ def _check_prepare(case, *, atol, query_rows=None, **kw):
     assert q.shape == (tokens, num_kv, query_rows, head_dim)
     assert not np.any(np.asarray(q[:, :, group:], np.float32))
     q = q[:, :, :group].reshape(want_q.shape)
-  for g, w in ((q, want_q), (rows, want_rows)):
+  for g, w in ((q, want_q), (pages, want_pages)):
     assert g.shape == w.shape and g.dtype == w.dtype
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                atol=atol, rtol=atol)
@@ -130,9 +135,9 @@ def test_prepare_bf16_rounds_like_the_reference():
 def test_grouped_query_feeds_the_pallas_attention():
   # The grouped, padded query gives the attention the same result as the plain one.
   rng = np.random.default_rng(6)
-  args, heads = _prepare_case(rng, 4, 4, 1, 16, jnp.float32)
-  plain, _ = prepare_qkv(*args, 1e-6, **heads)
-  grouped, _ = prepare_qkv(*args, 1e-6, query_rows=16, **heads)
+  args, cache, heads = _prepare_case(rng, 4, 4, 1, 16, jnp.float32)
+  plain, _ = prepare_qkv(*args, 1e-6, *cache, **heads)
+  grouped, _ = prepare_qkv(*args, 1e-6, *cache, query_rows=16, **heads)
   kv_pages = jnp.asarray(rng.standard_normal((9, 4, 2 * 16)), jnp.float32)
   table = jnp.asarray(rng.permutation(9)[:8].reshape(2, 4), jnp.int32)
   seq_ids, positions = jnp.array([0, 1, 1, -1]), jnp.array([3, 15, 7, 0])
@@ -149,10 +154,15 @@ def test_prepare_lowers_to_one_triton_kernel_for_cuda():
   shapes = [jax.ShapeDtypeStruct(s, d) for s, d in (
       ((1, 6 * 256), jnp.bfloat16), ((1, 128), jnp.float32), ((1, 128), jnp.float32),
       ((256,), jnp.bfloat16), ((256,), jnp.bfloat16))]
-  text = lower_for_cuda(lambda *a: prepare_qkv(*a, 1e-6, num_heads=4, num_kv_heads=1,
-                                               query_rows=16, interpret=False), *shapes)
+  cache = [jax.ShapeDtypeStruct((4864, 16, 512), jnp.bfloat16),
+           jax.ShapeDtypeStruct((1,), jnp.int32)]
+  text = lower_for_cuda(lambda *a: prepare_qkv(*a[:5], 1e-6, *a[5:], num_heads=4,
+                                               num_kv_heads=1, query_rows=16,
+                                               interpret=False), *shapes, *cache)
   assert text.count(f"@{TRITON}") == 1
   assert "stablehlo.while" not in text
+  # The cache is written in place: the kernel's second output is its last operand.
+  assert "output_operand_alias<output_tuple_indices = [1], operand_index = 6," in text
 
 
 @pytest.mark.gpu
