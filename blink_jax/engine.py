@@ -157,7 +157,7 @@ class Engine:
                idle_poll_us: int = 200, region: Any = None, model_name: str = "model",
                tokenizer_path: str | None = None, eos_ids: Sequence[int] | None = None,
                device: Any = None, frontend_workers: int = 0, fused_step: bool = False,
-               warm_up: bool | None = None, attention: str = "auto", norm: str = "reference"):
+               warm_up: bool | None = None, attention: str = "auto", norm: str = "auto"):
     import jax
 
     from blink_jax import executor as X

@@ -36,7 +36,7 @@ flags.DEFINE_string("out", "bench/results/executor_latency.json", "JSON result f
 flags.DEFINE_bool("fused", False, "one scheduler call per step (blink_step)")
 flags.DEFINE_enum("attention", "auto", config.KERNEL_KINDS,
                   "paged attention of buckets up to 64 tokens (Engine(attention=...))")
-flags.DEFINE_enum("norm", "reference", config.KERNEL_KINDS,
+flags.DEFINE_enum("norm", "auto", config.KERNEL_KINDS,
                   "norm kernels: add + RMSNorm pairs, q/k norm + RoPE (Engine(norm=...))")
 flags.DEFINE_enum("warm_up", "workload", ["workload", "shutdown"],
                   "before serving, run every bucket branch once (workload) or only one "

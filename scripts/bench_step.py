@@ -33,7 +33,7 @@ flags.DEFINE_integer("page_size", 16, "KV page size")
 flags.DEFINE_enum("attention", "auto", config.KERNEL_KINDS,
                   "paged attention, as the engine picks it per step size (prefill-sized steps: "
                   "the reference unless BLINK_PALLAS_MAX_ROWS / BLINK_PALLAS_PREFILL say)")
-flags.DEFINE_enum("norm", "reference", config.KERNEL_KINDS,
+flags.DEFINE_enum("norm", "auto", config.KERNEL_KINDS,
                   "norm kernels: add + RMSNorm pairs, q/k norm + RoPE")
 flags.DEFINE_bool("scheduler", True, "also time schedule+commit and an empty loop iteration")
 flags.DEFINE_string("out", "bench/results/step.json", "JSON result file")

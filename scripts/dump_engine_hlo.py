@@ -17,7 +17,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "gemma3-270m", "model config name, or 'tiny'")
 flags.DEFINE_string("out", "/tmp/loop_hlo.txt", "HLO text file")
 flags.DEFINE_enum("attention", "auto", config.KERNEL_KINDS, "Engine(attention=...)")
-flags.DEFINE_enum("norm", "reference", config.KERNEL_KINDS, "Engine(norm=...)")
+flags.DEFINE_enum("norm", "auto", config.KERNEL_KINDS, "Engine(norm=...)")
 
 
 def main(argv):

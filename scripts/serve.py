@@ -58,10 +58,9 @@ flags.DEFINE_enum("attention", "auto", config.KERNEL_KINDS,
                   "Paged attention of decode-sized steps: the jnp reference, the Pallas "
                   "kernel that reads KV pages in place (fewer kernels per step), or auto: "
                   "the kernel on a GPU, the reference elsewhere.")
-flags.DEFINE_enum("norm", "reference", config.KERNEL_KINDS,
+flags.DEFINE_enum("norm", "auto", config.KERNEL_KINDS,
                   "Residual add + RMSNorm pairs and the q/k norm + RoPE: the jnp reference "
-                  "or one Pallas kernel each (auto: the kernels on a GPU); not yet measured "
-                  "on a GPU.")
+                  "or one Pallas kernel each (auto: the kernels on a GPU).")
 flags.DEFINE_string("shm_name", None, "Name of the mailbox's shared memory (default: random).")
 flags.DEFINE_string("relay_host", "127.0.0.1", "Address of the tcp relay (--transport tcp).")
 flags.DEFINE_integer("relay_port", 0, "Port of the tcp relay (0: any free port).")

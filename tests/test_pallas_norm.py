@@ -86,16 +86,17 @@ def test_lowers_to_one_triton_kernel_for_cuda(width):
 
 def _prepare_case(rng, tokens, num_heads, num_kv, head_dim, dtype, normed=True):
   """(the positional arguments of prepare_qkv before eps, the cache and its slots, the
-  head-count keywords). The slots hit distinct rows of a 3-page cache, one past its end
-  (padding: writes nothing) when there are more tokens than rows."""
+  head-count keywords). The slots are distinct rows of a cache of 4-row pages with a page
+  to spare, or one past its end (padding: writes nothing)."""
   qkv = jnp.asarray(rng.standard_normal((tokens, (num_heads + 2 * num_kv) * head_dim)) * 2,
                     dtype)
   positions = jnp.asarray(rng.integers(0, 40_000, tokens), jnp.int32)
   cos, sin = rope_tables(positions, head_dim, 10_000.0, 8.0)
   weights = [jnp.asarray(rng.standard_normal(head_dim) * 0.2, dtype) if normed else None
              for _ in range(2)]
-  kv_pages = jnp.asarray(rng.standard_normal((3, 4, 2 * num_kv * head_dim)), dtype)
-  slots = rng.permutation(13)[:tokens]  # 12 = 3 x 4 rows; slot 12 is past the end
+  pages = tokens // 4 + 1
+  kv_pages = jnp.asarray(rng.standard_normal((pages, 4, 2 * num_kv * head_dim)), dtype)
+  slots = rng.permutation(pages * 4 + 1)[:tokens]
   return ((qkv, cos, sin, *weights), (kv_pages, jnp.asarray(slots, jnp.int32)),
           dict(num_heads=num_heads, num_kv_heads=num_kv))
 
