@@ -38,6 +38,9 @@ flags.DEFINE_enum("attention", "auto", config.KERNEL_KINDS,
                   "paged attention of buckets up to 64 tokens (Engine(attention=...))")
 flags.DEFINE_enum("norm", "auto", config.KERNEL_KINDS,
                   "norm kernels: add + RMSNorm pairs, q/k norm + RoPE (Engine(norm=...))")
+flags.DEFINE_string("profile", None, "write a jax.profiler trace of each quiet case under this "
+                    "directory (<mode>_b<batch>; scripts/kernel_profile.py reads it); its rows "
+                    "are marked profiled: the tracer's overhead is in them")
 flags.DEFINE_enum("warm_up", "workload", ["workload", "shutdown"],
                   "before serving, run every bucket branch once (workload) or only one "
                   "schedule (shutdown) in XLA's op-by-op first execution (docs/NOTES.md, 16)")
@@ -154,7 +157,13 @@ def main(argv):
     try:
       for b in (int(x) for x in FLAGS.batches):
         for lvl in levels:
-          row = {"mode": mode, **run_case(eng, cfg, b, lvl, cpus)}
+          if FLAGS.profile and lvl == 0:
+            import jax.profiler  # pylint: disable=g-import-not-at-top
+            with jax.profiler.trace(os.path.join(FLAGS.profile, f"{mode}_b{b}"),
+                                    create_perfetto_trace=True):
+              row = {"mode": mode, **run_case(eng, cfg, b, lvl, cpus), "profiled": True}
+          else:
+            row = {"mode": mode, **run_case(eng, cfg, b, lvl, cpus)}
           if "tpot_ms_p50" not in row:
             # No interval had all b requests decoding (seen once, host mode at batch 64,
             # c9de529): run the case again rather than leave the row empty.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA handlers, run the GPU tests, run the benchmarks.
-# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hlo|dotsr|xlaflags|pallas|norm|prefill|hostdiag|hostgraph|hf|serving|step|all]...
+# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hlo|dotsr|xlaflags|pallas|norm|profile|prefill|hostdiag|hostgraph|hf|serving|step|all]...
 # Results: bench/results/*.json (commit them) and copies plus logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -161,6 +161,19 @@ if has norm; then
   dump_hlo norm --norm pallas
   for n in ${NORM_VARIANTS:-reference pallas}; do
     exec_bench norm_$n 6 --batches 1,64 --modes persistent --interference 0 --norm $n
+  done
+fi
+if has profile; then
+  log "where a serving-loop iteration's GPU time goes (jax.profiler trace, kernels by kind)"
+  EXEC_TIMEOUT=${PROFILE_TIMEOUT:-300} exec_bench profiled 4 --modes persistent --batches 1,64 \
+    --interference 0 --profile /tmp/blink_profile
+  for b in 1 64; do
+    python3 scripts/kernel_profile.py --trace /tmp/blink_profile/persistent_b$b \
+      --out bench/results/kernel_profile_b${b}_h200.json 2>&1 | grep -v "^[IW]1" | head -32 \
+      | tee -a "$OUT/log.txt"
+    cp bench/results/kernel_profile_b${b}_h200.json "$OUT/" 2>/dev/null
+    find /tmp/blink_profile/persistent_b$b -name perfetto_trace.json.gz \
+      -exec cp {} "$OUT/perfetto_b$b.json.gz" \;
   done
 fi
 if has prefill; then
