@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 
+import jax
 import numpy as np
 from absl import app, flags
 
@@ -38,9 +39,10 @@ flags.DEFINE_enum("attention", "auto", config.KERNEL_KINDS,
                   "paged attention of buckets up to 64 tokens (Engine(attention=...))")
 flags.DEFINE_enum("norm", "auto", config.KERNEL_KINDS,
                   "norm kernels: add + RMSNorm pairs, q/k norm + RoPE (Engine(norm=...))")
-flags.DEFINE_string("profile", None, "write a jax.profiler trace of each quiet case under this "
-                    "directory (<mode>_b<batch>; scripts/kernel_profile.py reads it); its rows "
-                    "are marked profiled: the tracer's overhead is in them")
+flags.DEFINE_string("profile", None, "write a jax.profiler trace of each mode's engine, from "
+                    "its first case to its shutdown, under this directory (<mode>_b<first "
+                    "batch>; scripts/kernel_profile.py reads it); its rows are marked "
+                    "profiled: the tracer's overhead is in them")
 flags.DEFINE_enum("warm_up", "workload", ["workload", "shutdown"],
                   "before serving, run every bucket branch once (workload) or only one "
                   "schedule (shutdown) in XLA's op-by-op first execution (docs/NOTES.md, 16)")
@@ -154,16 +156,16 @@ def main(argv):
                      "attention": eng.executor.attention, "norm": eng.executor.norm,
                      "startup_s": round(time.perf_counter() - t, 1)}
     print(mode, reports[mode], flush=True)
+    tracing = None
     try:
       for b in (int(x) for x in FLAGS.batches):
         for lvl in levels:
-          if FLAGS.profile and lvl == 0:
-            import jax.profiler  # pylint: disable=g-import-not-at-top
-            with jax.profiler.trace(os.path.join(FLAGS.profile, f"{mode}_b{b}"),
-                                    create_perfetto_trace=True):
-              row = {"mode": mode, **run_case(eng, cfg, b, lvl, cpus), "profiled": True}
-          else:
-            row = {"mode": mode, **run_case(eng, cfg, b, lvl, cpus)}
+          if FLAGS.profile and not tracing:
+            tracing = os.path.join(FLAGS.profile, f"{mode}_b{b}")
+            jax.profiler.start_trace(tracing, create_perfetto_trace=True)
+          row = {"mode": mode, **run_case(eng, cfg, b, lvl, cpus)}
+          if tracing:
+            row["profiled"] = True
           if "tpot_ms_p50" not in row:
             # No interval had all b requests decoding (seen once, host mode at batch 64,
             # c9de529): run the case again rather than leave the row empty.
@@ -173,6 +175,10 @@ def main(argv):
           rows.append(row)
     finally:
       eng.shutdown()
+      # The profiler collects the GPU's activity when it stops, which waits for the device:
+      # stopped while the serving loop still ran, it never returned (on the H200, 885ea50).
+      if tracing:
+        jax.profiler.stop_trace()
       eng.region = None
       eng.shm.close()
       eng.shm.unlink()
