@@ -225,9 +225,10 @@ class Engine:
                                  device=self.device, fused_step=fused_step, attention=attention,
                                  norm=norm)
       log.info("engine: model %s (%s, %d layers), dtype %s, device %s, mode %s, max_seqs %d, "
-               "kv pages %d x %d, buckets %s, attention %s, norm %s", model_name, cfg.name,
-               cfg.num_layers, model.dtype, self.device, mode, max_seqs, kv_pages, page_size,
-               list(buckets), self.executor.attention, self.executor.norm)
+               "kv pages %d x %d, buckets %s, attention %s, norm %s, experimental kernels %s",
+               model_name, cfg.name, cfg.num_layers, model.dtype, self.device, mode, max_seqs,
+               kv_pages, page_size, list(buckets), self.executor.attention, self.executor.norm,
+               X.experimental_kernels() or "off")
       carry = self.executor.initial_carry()
       self.compiled = self.executor.compile(carry, mode)
       self.client = M.MailboxClient(self.region, frontend_workers, self.mailbox_workers)

@@ -31,6 +31,7 @@ from blink_jax.config import ModelConfig
 KVCache = list[jax.Array]  # per layer kv_pages [P, page, 2 * K * h]: keys, then values
 AttentionFn = Callable[..., jax.Array]  # the signature of paged_attention_reference
 AddNormFn = Callable[..., tuple[jax.Array, jax.Array]]  # the signature of add_rms_norm
+FfwDownFn = Callable[..., jax.Array]  # the signature of MLP.down_project (without self)
 PrepareFn = Callable[..., tuple[jax.Array, jax.Array]]  # the signature of prepare_qkv
 
 
@@ -41,11 +42,21 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
+def sum_partials(branch: jax.Array, x: jax.Array) -> jax.Array:
+  """A branch [..., D] as is, or float32 partial sums of it [S, ..., D] (`pallas_ffw`) added
+  up and rounded to x's dtype (as the matmul they split would have been)."""
+  if branch.ndim == x.ndim + 1:
+    return branch.sum(axis=0).astype(x.dtype)
+  return branch
+
+
 def add_rms_norm(x: jax.Array, branch: jax.Array, add_weight: jax.Array,
                  next_weight: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
   """A residual step and the norm after it: x + rms_norm(branch, add_weight), and that sum
-  normed with next_weight (the input of the next sub-block)."""
-  x = x + rms_norm(branch, add_weight, eps)
+  normed with next_weight (the input of the next sub-block). branch [..., D], or float32
+  partial sums [S, ..., D] of it (`pallas_ffw.ffw_down`), added up and rounded to x's dtype
+  first."""
+  x = x + rms_norm(sum_partials(branch, x), add_weight, eps)
   return x, rms_norm(x, next_weight, eps)
 
 
@@ -186,9 +197,21 @@ class MLP(nnx.Module):
     self.down = _normal(rngs, (f, d), f**-0.5, param_dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    dtype = x.dtype
-    gate = jax.nn.gelu(x @ self.gate[...].astype(dtype), approximate=True)
-    return (gate * (x @ self.up[...].astype(dtype))) @ self.down[...].astype(dtype)
+    return self.down_project(self.gate_up(x), self.down[...])
+
+  def gate_up(self, x: jax.Array) -> jax.Array:
+    """x [..., D] -> the fused gate/up projection [..., 2F] (gate, then up): one matmul over
+    the concatenated weights (hoisted out of the serving loop, as for `Attention.project`),
+    so a kernel can take it in place."""
+    w = jnp.concatenate([self.gate[...], self.up[...]], axis=1)
+    return x @ w.astype(x.dtype)
+
+  @staticmethod
+  def down_project(gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    """The fused gate/up projection [..., 2F] and the down weights [F, D] -> the MLP's
+    output down(gelu_tanh(gate) * up) [..., D]."""
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return (jax.nn.gelu(gate, approximate=True) * up) @ down.astype(gate_up.dtype)
 
 
 class Block(nnx.Module):
@@ -204,13 +227,15 @@ class Block(nnx.Module):
     self.mlp = MLP(cfg, param_dtype=param_dtype, rngs=rngs)
     self.eps = cfg.rms_norm_eps
 
-  def ffw(self, x: jax.Array, attn: jax.Array,
-          add_norm: AddNormFn) -> tuple[jax.Array, jax.Array]:
+  def ffw(self, x: jax.Array, attn: jax.Array, add_norm: AddNormFn,
+          down_fn: FfwDownFn | None = None) -> tuple[jax.Array, jax.Array]:
     """Residual stream and attention output [..., H, h] -> the residual stream after the
-    attention and the MLP's output (before its post-FFW norm and add)."""
+    attention and the MLP's output (before its post-FFW norm and add; `down_fn` may hand it
+    as partial sums, see `add_rms_norm`)."""
     x, y = add_norm(x, self.attn.out(attn), self.post_attn_norm[...], self.pre_ffw_norm[...],
                     self.eps)
-    return x, self.mlp(y)
+    down_fn = MLP.down_project if down_fn is None else down_fn
+    return x, down_fn(self.mlp.gate_up(y), self.mlp.down[...])
 
 
 class Gemma(nnx.Module):
@@ -270,7 +295,8 @@ class Gemma(nnx.Module):
               page_table: jax.Array, kv_cache: KVCache,
               attention_fn: AttentionFn | None = None,
               add_norm_fn: AddNormFn | None = None,
-              prepare_fn: PrepareFn | None = None) -> tuple[jax.Array, KVCache]:
+              prepare_fn: PrepareFn | None = None,
+              ffw_down_fn: FfwDownFn | None = None) -> tuple[jax.Array, KVCache]:
     """One ragged paged step (docs/CONTRACTS.md): tokens/positions/seq_ids [T] int32,
     page_table [S, max_pages]. Every token writes its K/V, then attends to its sequence.
 
@@ -278,8 +304,11 @@ class Gemma(nnx.Module):
     caches. The kernels default to the jnp math: `attention_fn` to
     `paged_attention_reference`, `add_norm_fn` to `add_rms_norm`, `prepare_fn` (the fused
     projection -> the attention's query and the cache with the step's rows written) to
-    `prepare_qkv`; a faster set must agree on the query's layout (`pallas_norm.prepare_qkv`
-    can hand the Pallas attention its query already grouped and padded).
+    `prepare_qkv`; `ffw_down_fn` (the fused gate/up projection and the down weights -> the
+    MLP's output) to `MLP.down_project`. A faster set must agree on the query's layout
+    (`pallas_norm.prepare_qkv` can hand the Pallas attention its query already grouped and
+    padded) and on the MLP output's (`pallas_ffw.ffw_down` hands partial sums to the add +
+    norm).
     """
     attention_fn = paged_attention_reference if attention_fn is None else attention_fn
     prepare_fn = prepare_qkv if prepare_fn is None else prepare_fn
@@ -298,11 +327,11 @@ class Gemma(nnx.Module):
                                kv_cache[i], slots, **attn.heads())
       new_cache.append(kv_pages)
       return attention_fn(q, kv_pages, page_table, seq_ids, positions, **attn.attention_kwargs())
-    x = self._run_layers(self.embed_tokens(tokens), attend, add_norm_fn)
+    x = self._run_layers(self.embed_tokens(tokens), attend, add_norm_fn, ffw_down_fn)
     return x, new_cache
 
   def _run_layers(self, x: jax.Array, attend: Callable[..., jax.Array],
-                  add_norm: AddNormFn | None) -> jax.Array:
+                  add_norm: AddNormFn | None, down_fn: FfwDownFn | None = None) -> jax.Array:
     """The decoder stack over embedded tokens x [..., D]; attend(i, layer, y) -> the
     attention output of layer i for its normed input y. Returns the final residual stream
     (before the final norm)."""
@@ -311,11 +340,11 @@ class Gemma(nnx.Module):
     layers = list(self.layers)
     y = rms_norm(x, layers[0].pre_attn_norm[...], eps)
     for i, layer in enumerate(layers):
-      x, h = layer.ffw(x, attend(i, layer, y), add_norm)
+      x, h = layer.ffw(x, attend(i, layer, y), add_norm, down_fn)
       if i + 1 < len(layers):
         x, y = add_norm(x, h, layer.post_ffw_norm[...], layers[i + 1].pre_attn_norm[...], eps)
       else:
-        x = x + rms_norm(h, layer.post_ffw_norm[...], eps)
+        x = x + rms_norm(sum_partials(h, x), layer.post_ffw_norm[...], eps)
     return x
 
   def logits(self, hidden: jax.Array) -> jax.Array:

@@ -59,15 +59,19 @@ def select(kind: str, width: int, *, interpret: bool | None = None):
 
 def _kernel(x_ref, branch_ref, add_w_ref, next_w_ref, x_out_ref, y_ref, *, eps: float,
             chunk: int):
-  """One row: x_ref, branch_ref [D]; add_w_ref, next_w_ref [D] -> x_out_ref (x + normed
-  branch), y_ref (x_out normed), [D] each. Every load comes first, every store last: Triton
+  """One row: x_ref, branch_ref [D] (or [S, D] float32 partial sums of the branch);
+  add_w_ref, next_w_ref [D] -> x_out_ref (x + normed branch), y_ref (x_out normed), [D] each. Every load comes first, every store last: Triton
   cannot tell the refs apart, so it keeps a load that follows a store behind it, and a row
   walked chunk by chunk paid one memory round trip per chunk (a slower step than XLA's)."""
   width = x_ref.shape[0]
   dtype = x_out_ref.dtype
   parts = [pl.ds(start, chunk) for start in range(0, width, chunk)]
   f32 = lambda ref: [ref[p].astype(jnp.float32) for p in parts]
-  branch, xs, add_w, next_w = f32(branch_ref), f32(x_ref), f32(add_w_ref), f32(next_w_ref)
+  if len(branch_ref.shape) == 2:  # [S, D] partial sums: added up, rounded as a matmul's output
+    branch = [branch_ref[:, p].sum(axis=0).astype(dtype).astype(jnp.float32) for p in parts]
+  else:
+    branch = f32(branch_ref)
+  xs, add_w, next_w = f32(x_ref), f32(add_w_ref), f32(next_w_ref)
   scale = lax.rsqrt(sum(jnp.sum(b * b) for b in branch) / width + eps)
   summed = [(x + (b * scale * (1.0 + w)).astype(dtype).astype(jnp.float32)).astype(dtype)
             for x, b, w in zip(xs, branch, add_w)]
@@ -83,12 +87,17 @@ def add_rms_norm(x: jax.Array, branch: jax.Array, add_weight: jax.Array,
                  next_weight: jax.Array, eps: float, *,
                  interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
   """x, branch [..., D]; add_weight, next_weight [D] -> (x + rms_norm(branch, add_weight),
-  rms_norm(that, next_weight)), both [..., D] in x's dtype. interpret: run the kernel with
-  Pallas' interpreter (default: when the default device is not a GPU)."""
+  rms_norm(that, next_weight)), both [..., D] in x's dtype. branch may also be float32
+  partial sums [S, ..., D] (S a power of two; `pallas_ffw.ffw_down`), added up as they are
+  loaded. interpret: run the kernel with Pallas' interpreter (default: when the default
+  device is not a GPU)."""
   if interpret is None:
     interpret = jax.devices()[0].platform != "gpu"
   width = x.shape[-1]
-  if branch.shape != x.shape or add_weight.shape != (width,) or next_weight.shape != (width,):
+  partial = branch.ndim == x.ndim + 1
+  splits = branch.shape[0] if partial else 1
+  if (branch.shape[partial:] != x.shape or add_weight.shape != (width,)
+      or next_weight.shape != (width,) or splits & (splits - 1)):
     raise ValueError(f"add_rms_norm: x {x.shape}, branch {branch.shape}, weights "
                      f"{add_weight.shape} and {next_weight.shape} do not match")
   chunk = chunk_size(width)
@@ -97,16 +106,22 @@ def add_rms_norm(x: jax.Array, branch: jax.Array, add_weight: jax.Array,
   rows = x.reshape(-1, width)
   row_spec = pl.BlockSpec((None, width), lambda r: (r, 0))
   weight_spec = pl.BlockSpec((width,), lambda r: (0,))
+  if partial:
+    branch = branch.reshape(splits, *rows.shape)
+    branch_spec = pl.BlockSpec((splits, None, width), lambda r: (0, r, 0))
+  else:
+    branch = branch.astype(x.dtype).reshape(rows.shape)
+    branch_spec = row_spec
   x_out, y = pl.pallas_call(
       functools.partial(_kernel, eps=eps, chunk=chunk),
       grid=(rows.shape[0],),
-      in_specs=[row_spec, row_spec, weight_spec, weight_spec],
+      in_specs=[row_spec, branch_spec, weight_spec, weight_spec],
       out_specs=[row_spec, row_spec],
       out_shape=[jax.ShapeDtypeStruct(rows.shape, x.dtype)] * 2,
       interpret=interpret,
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
       name="blink_add_rms_norm",
-  )(rows, branch.astype(x.dtype).reshape(rows.shape), add_weight, next_weight)
+  )(rows, branch, add_weight, next_weight)
   return x_out.reshape(x.shape), y.reshape(x.shape)
 
 

@@ -137,6 +137,8 @@ def write_result(path: str, name: str, rows, extra: dict | None = None) -> pathl
          "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
          "git_revision": git_revision(), "jax": _jax_version(), "python": platform.python_version(),
          "host_cpus": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+         # switches of experimental kernels and overrides (BLINK_PALLAS_FFW=1, ...)
+         "blink_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("BLINK_")},
          "results": rows, **(extra or {})}
   out.write_text(json.dumps(doc, indent=2))
   print(f"wrote {out}")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA handlers, run the GPU tests, run the benchmarks.
-# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hlo|dotsr|xlaflags|pallas|norm|profile|prefill|hostdiag|hostgraph|hf|serving|step|all]...
+# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hlo|dotsr|xlaflags|pallas|norm|ffw|profile|prefill|hostdiag|hostgraph|hf|serving|step|all]...
 # Results: bench/results/*.json (commit them) and copies plus logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,7 +55,7 @@ fi
 
 if has tests; then
   log "gpu tests"
-  timeout ${TESTS_TIMEOUT:-500} python3 -m pytest -m gpu ${GPU_TESTS:-tests/test_scheduler_backends.py tests/test_engine_gpu.py tests/test_device_region.py tests/test_pallas_attention.py tests/test_pallas_norm.py tests/test_pallas_prefill.py} \
+  timeout ${TESTS_TIMEOUT:-500} python3 -m pytest -m gpu ${GPU_TESTS:-tests/test_scheduler_backends.py tests/test_engine_gpu.py tests/test_device_region.py tests/test_pallas_attention.py tests/test_pallas_norm.py tests/test_pallas_prefill.py tests/test_pallas_ffw.py} \
     -q -s -p no:cacheprovider 2>&1 | tail -40 | tee -a "$OUT/log.txt"
 fi
 if has diag; then
@@ -161,6 +161,13 @@ if has norm; then
   dump_hlo norm --norm pallas
   for n in ${NORM_VARIANTS:-reference pallas}; do
     exec_bench norm_$n 6 --batches 1,64 --modes persistent --interference 0 --norm $n
+  done
+fi
+if has ffw; then
+  log "fused down projection (BLINK_PALLAS_FFW=1) vs XLA's GELU x up + split-K GEMM + reduce"
+  BLINK_PALLAS_FFW=1 dump_hlo ffw
+  for f in 0 1; do
+    BLINK_PALLAS_FFW=$f exec_bench ffw_$f 6 --batches 1,64 --modes persistent --interference 0
   done
 fi
 if has profile; then

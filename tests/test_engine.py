@@ -351,6 +351,20 @@ def test_pallas_prefill_kernel_equals_the_dense_reference(model, dense, monkeypa
     assert eng.stats()["pages_in_use"] == 0
 
 
+def test_pallas_ffw_kernel_equals_the_dense_reference(model, dense, monkeypatch):
+  # Steps of up to 8 tokens run the fused down projection, whose partial sums the add + norm
+  # kernel adds up (BLINK_PALLAS_FFW=1); larger buckets keep XLA's matmul.
+  from blink_jax import pallas_ffw
+  monkeypatch.setattr(pallas_ffw, "ENABLED", True)
+  prompts = [[3, 4, 5], [6] * 20, list(range(10, 50))]
+  want = [dense(p, 6) for p in prompts]
+  with Engine(model, None, attention="pallas", norm="pallas", **ENGINE_KW) as eng:
+    outs = eng.generate(prompt_token_ids=prompts,
+                        sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [o.token_ids for o in outs] == want
+    assert eng.stats()["pages_in_use"] == 0
+
+
 def test_unknown_kernels_are_refused(model):
   with pytest.raises(ValueError, match="attention must be one of"):
     Engine(model, None, attention="flash", **ENGINE_KW)

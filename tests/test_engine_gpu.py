@@ -76,6 +76,25 @@ def test_gpu_prefill_kernel_tokens_equal_cpu_tokens(monkeypatch):
   assert outs["cpu"] == outs["gpu"]
 
 
+def test_gpu_ffw_kernel_tokens_equal_cpu_tokens(monkeypatch):
+  # Bucket-4 steps through the fused down projection (BLINK_PALLAS_FFW=1), whose partial
+  # sums the add + norm kernel adds up; CPU (Pallas' interpreter) and GPU (Triton) agree.
+  from blink_jax import pallas_ffw
+  monkeypatch.setattr(pallas_ffw, "ENABLED", True)
+  cfg = tiny_config("gemma3", vocab_size=512, num_layers=4)
+  rng = np.random.default_rng(5)
+  prompts = [[int(t) for t in rng.integers(3, 512, n)] for n in (3, 30, 100)]
+  sp = SamplingParams(max_tokens=12, ignore_eos=True)
+  outs = {}
+  for dev in (jax.devices("cpu")[0], _gpus()[0]):
+    with jax.default_device(dev):
+      model = Gemma(cfg, dtype=jnp.float32, rngs=nnx.Rngs(6))
+    with Engine(model, None, device=dev, attention="pallas", norm="pallas", **KW) as eng:
+      outs[dev.platform] = [o.token_ids for o in eng.generate(prompt_token_ids=prompts,
+                                                             sampling=sp)]
+  assert outs["cpu"] == outs["gpu"]
+
+
 def test_gpu_sampling_reproduces_with_seed():
   cfg = tiny_config("gemma3", vocab_size=512)
   with jax.default_device(_gpus()[0]):

@@ -14,7 +14,7 @@ from blink_jax.executor import step_kernels
 from blink_jax.model import Gemma, init_kv_cache
 from tests.cuda_lowering import TRITON, lower_for_cuda
 KERNELS = ("blink_add_rms_norm", "blink_prepare_qkv", "blink_paged_decode_attention",
-           "blink_paged_decode_merge", "blink_paged_prefill_attention")
+           "blink_paged_decode_merge", "blink_paged_prefill_attention", "blink_ffw_down")
 
 
 def _triton_calls(text: str) -> collections.Counter:
@@ -83,3 +83,17 @@ def test_prefill_buckets_run_the_prefill_kernel_when_enabled(monkeypatch):
   layers = cfg.num_layers
   assert _lowered_step(cfg, "pallas", "reference", 256) == {
       "blink_paged_prefill_attention": layers, "blink_paged_decode_merge": layers}
+
+
+def test_small_steps_run_the_fused_down_projection_when_enabled(monkeypatch):
+  from blink_jax import pallas_ffw
+  monkeypatch.setattr(pallas_ffw, "ENABLED", True)
+  cfg = get_config("gemma3-270m")
+  layers = cfg.num_layers
+  assert _lowered_step(cfg, "pallas", "pallas", 1) == {
+      "blink_prepare_qkv": layers, "blink_paged_decode_attention": layers,
+      "blink_paged_decode_merge": layers, "blink_add_rms_norm": 2 * layers - 1,
+      "blink_ffw_down": layers}
+  # Larger steps, and steps without the add + norm kernel that sums its partials, do not.
+  assert "blink_ffw_down" not in _lowered_step(cfg, "pallas", "pallas", 64)
+  assert "blink_ffw_down" not in _lowered_step(cfg, "pallas", "reference", 1)
