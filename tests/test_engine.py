@@ -336,12 +336,7 @@ def test_pallas_kernels_equal_the_dense_reference(model, dense, mode, attention,
     assert eng.stats()["pages_in_use"] == 0
 
 
-def test_pallas_prefill_kernel_equals_the_dense_reference(model, dense, monkeypatch):
-  # Buckets above 4 tokens take the prefill kernel (blocks of tokens, each block's pages
-  # read once), as buckets above 64 do when BLINK_PALLAS_PREFILL=1.
-  from blink_jax import pallas_attention, pallas_prefill
-  monkeypatch.setattr(pallas_attention, "MAX_ROWS", 4)
-  monkeypatch.setattr(pallas_prefill, "ENABLED", True)
+def _pallas_engine_equals_the_dense_reference(model, dense):
   prompts = [[3, 4, 5], [6] * 20, list(range(10, 50))]
   want = [dense(p, 6) for p in prompts]
   with Engine(model, None, attention="pallas", norm="pallas", **ENGINE_KW) as eng:
@@ -349,6 +344,15 @@ def test_pallas_prefill_kernel_equals_the_dense_reference(model, dense, monkeypa
                         sampling=SamplingParams(max_tokens=6, ignore_eos=True))
     assert [o.token_ids for o in outs] == want
     assert eng.stats()["pages_in_use"] == 0
+
+
+def test_pallas_prefill_kernel_equals_the_dense_reference(model, dense, monkeypatch):
+  # Buckets above 4 tokens take the prefill kernel (blocks of tokens, each block's pages
+  # read once), as buckets above 64 do when BLINK_PALLAS_PREFILL=1.
+  from blink_jax import pallas_attention, pallas_prefill
+  monkeypatch.setattr(pallas_attention, "MAX_ROWS", 4)
+  monkeypatch.setattr(pallas_prefill, "ENABLED", True)
+  _pallas_engine_equals_the_dense_reference(model, dense)
 
 
 def test_pallas_ffw_kernel_equals_the_dense_reference(model, dense, monkeypatch):
@@ -356,13 +360,7 @@ def test_pallas_ffw_kernel_equals_the_dense_reference(model, dense, monkeypatch)
   # kernel adds up (BLINK_PALLAS_FFW=1); larger buckets keep XLA's matmul.
   from blink_jax import pallas_ffw
   monkeypatch.setattr(pallas_ffw, "ENABLED", True)
-  prompts = [[3, 4, 5], [6] * 20, list(range(10, 50))]
-  want = [dense(p, 6) for p in prompts]
-  with Engine(model, None, attention="pallas", norm="pallas", **ENGINE_KW) as eng:
-    outs = eng.generate(prompt_token_ids=prompts,
-                        sampling=SamplingParams(max_tokens=6, ignore_eos=True))
-    assert [o.token_ids for o in outs] == want
-    assert eng.stats()["pages_in_use"] == 0
+  _pallas_engine_equals_the_dense_reference(model, dense)
 
 
 def test_unknown_kernels_are_refused(model):

@@ -56,42 +56,39 @@ def test_gpu_tokens_equal_cpu_tokens(mode, fused, attention, norm):
     np.testing.assert_allclose(c.logprobs, g.logprobs, atol=1e-2)
 
 
+def _tiny_engine_tokens_on_cpu_and_gpu(model_seed: int, prompt_seed: int) -> dict:
+  """Greedy tokens of a 4-layer tiny model for three prompts (3, 30 and 100 tokens) through
+  a Pallas engine on the CPU (Pallas' interpreter) and on the GPU (Triton)."""
+  cfg = tiny_config("gemma3", vocab_size=512, num_layers=4)
+  rng = np.random.default_rng(prompt_seed)
+  prompts = [[int(t) for t in rng.integers(3, 512, n)] for n in (3, 30, 100)]
+  sp = SamplingParams(max_tokens=12, ignore_eos=True)
+  outs = {}
+  for dev in (jax.devices("cpu")[0], _gpus()[0]):
+    with jax.default_device(dev):
+      model = Gemma(cfg, dtype=jnp.float32, rngs=nnx.Rngs(model_seed))
+    with Engine(model, None, device=dev, attention="pallas", norm="pallas", **KW) as eng:
+      outs[dev.platform] = [o.token_ids for o in eng.generate(prompt_token_ids=prompts,
+                                                             sampling=sp)]
+  return outs
+
+
 def test_gpu_prefill_kernel_tokens_equal_cpu_tokens(monkeypatch):
   # Buckets above 4 tokens through the Pallas prefill kernel (BLINK_PALLAS_PREFILL=1 does
   # this for buckets above 64), with the Pallas norm kernels.
   from blink_jax import pallas_attention, pallas_prefill
   monkeypatch.setattr(pallas_attention, "MAX_ROWS", 4)
   monkeypatch.setattr(pallas_prefill, "ENABLED", True)
-  cfg = tiny_config("gemma3", vocab_size=512, num_layers=4)
-  rng = np.random.default_rng(2)
-  prompts = [[int(t) for t in rng.integers(3, 512, n)] for n in (3, 30, 100)]
-  sp = SamplingParams(max_tokens=12, ignore_eos=True)
-  outs = {}
-  for dev in (jax.devices("cpu")[0], _gpus()[0]):
-    with jax.default_device(dev):
-      model = Gemma(cfg, dtype=jnp.float32, rngs=nnx.Rngs(4))
-    with Engine(model, None, device=dev, attention="pallas", norm="pallas", **KW) as eng:
-      outs[dev.platform] = [o.token_ids for o in eng.generate(prompt_token_ids=prompts,
-                                                             sampling=sp)]
+  outs = _tiny_engine_tokens_on_cpu_and_gpu(model_seed=4, prompt_seed=2)
   assert outs["cpu"] == outs["gpu"]
 
 
 def test_gpu_ffw_kernel_tokens_equal_cpu_tokens(monkeypatch):
   # Bucket-4 steps through the fused down projection (BLINK_PALLAS_FFW=1), whose partial
-  # sums the add + norm kernel adds up; CPU (Pallas' interpreter) and GPU (Triton) agree.
+  # sums the add + norm kernel adds up.
   from blink_jax import pallas_ffw
   monkeypatch.setattr(pallas_ffw, "ENABLED", True)
-  cfg = tiny_config("gemma3", vocab_size=512, num_layers=4)
-  rng = np.random.default_rng(5)
-  prompts = [[int(t) for t in rng.integers(3, 512, n)] for n in (3, 30, 100)]
-  sp = SamplingParams(max_tokens=12, ignore_eos=True)
-  outs = {}
-  for dev in (jax.devices("cpu")[0], _gpus()[0]):
-    with jax.default_device(dev):
-      model = Gemma(cfg, dtype=jnp.float32, rngs=nnx.Rngs(6))
-    with Engine(model, None, device=dev, attention="pallas", norm="pallas", **KW) as eng:
-      outs[dev.platform] = [o.token_ids for o in eng.generate(prompt_token_ids=prompts,
-                                                             sampling=sp)]
+  outs = _tiny_engine_tokens_on_cpu_and_gpu(model_seed=6, prompt_seed=5)
   assert outs["cpu"] == outs["gpu"]
 
 
