@@ -101,6 +101,7 @@ class _Lib:
     lib.blink_config_check.argtypes = [_i64p]
     lib.blink_mailbox_layout.restype = ctypes.c_char_p
     lib.blink_batch_layout.restype = ctypes.c_char_p
+    lib.blink_counter_layout.restype = ctypes.c_char_p
     lib.blink_geometry_offsets.argtypes = [ctypes.POINTER(ctypes.c_uint32), ctypes.c_uint32,
                                            ctypes.POINTER(ctypes.c_uint64)]
     lib.blink_host_schedule.argtypes = [_i64p, _i32p, _i32p, _i32p, _i32p]
@@ -169,14 +170,26 @@ def initial_state(cfg: SchedConfig) -> np.ndarray:
   return st
 
 
+def _layout(text: bytes) -> dict[str, int]:
+  """The library's "name=value;..." layout strings as a dict."""
+  return {k: int(v) for k, v in (item.split("=") for item in text.decode().split(";") if item)}
+
+
 def mailbox_layout() -> dict[str, int]:
-  text = library().blink_mailbox_layout().decode()
-  return {k: int(v) for k, v in (item.split("=") for item in text.split(";") if item)}
+  return _layout(library().blink_mailbox_layout())
 
 
 def batch_layout() -> dict[str, int]:
-  text = library().blink_batch_layout().decode()
-  return {k: int(v) for k, v in (item.split("=") for item in text.split(";") if item)}
+  return _layout(library().blink_batch_layout())
+
+
+def counters(state: np.ndarray) -> dict[str, int]:
+  """The named 64-bit counters at the start of a scheduler state (ffi/sched_state.h,
+  BlinkCounter): loop iterations, steps, and the device time in the scheduler's kernels and
+  in schedule's phases (CUDA handlers only; zero on the host)."""
+  index = _layout(library().blink_counter_layout())
+  values = np.asarray(state[:2 * index.pop("num_counters")]).view(np.uint64)
+  return {name: int(values[i]) for name, i in index.items()}
 
 
 def geometry_offsets(geo, slot: int) -> list[int]:

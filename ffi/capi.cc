@@ -131,6 +131,21 @@ const char* blink_batch_layout() {
   return s.c_str();
 }
 
+// Indices of the 64-bit counters at the start of the state (BlinkCounter) that benchmarks
+// read from a returned state.
+const char* blink_counter_layout() {
+  static std::string s;
+  if (!s.empty()) return s.c_str();
+  char b[256];
+  snprintf(b, sizeof b,
+           "loop_iterations=%d;steps=%d;schedule_ns=%d;commit_ns=%d;sched_poll_ns=%d;"
+           "sched_decode_ns=%d;sched_admit_ns=%d;sched_batch_ns=%d;num_counters=%d;",
+           C_LOOP_ITERATIONS, C_STEPS, C_SCHEDULE_NS, C_COMMIT_NS, C_SCHED_POLL_NS,
+           C_SCHED_DECODE_NS, C_SCHED_ADMIT_NS, C_SCHED_BATCH_NS, C_NUM_COUNTERS);
+  s = b;
+  return s.c_str();
+}
+
 // Geometry-dependent offsets of `slot`: request, prompt, output, out tokens, out logprobs,
 // out top ids, out top logprobs, total bytes.
 void blink_geometry_offsets(const uint32_t* g4, uint32_t slot, uint64_t* out8) {

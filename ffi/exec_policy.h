@@ -82,6 +82,11 @@ struct HostExec {
   void serial(F f) const {
     f();
   }
+  // The leader alone runs f, with no barrier after it (for its own bookkeeping).
+  template <class F>
+  void lead(F f) const {
+    f();
+  }
   void sync() const {}
   // out[i] = sum of value(j) for j < i; returns the total.
   template <class F>
@@ -120,6 +125,10 @@ struct DeviceExec {
   __device__ void serial(F f) const {
     if (threadIdx.x == 0) f();
     __syncthreads();
+  }
+  template <class F>
+  __device__ void lead(F f) const {
+    if (threadIdx.x == 0) f();
   }
   __device__ void sync() const { __syncthreads(); }
   // Warp-shuffle scan: three barriers whatever the block size (a Hillis-Steele scan over

@@ -95,6 +95,11 @@ enum BlinkCounter {
   C_PREEMPTIONS,
   C_SCHEDULE_NS,   // device time inside the schedule kernel (CUDA handlers only)
   C_COMMIT_NS,     // device time inside the commit (or fused step) kernel (CUDA handlers only)
+  // Time inside schedule by phase (not published; benchmarks read them from the state):
+  C_SCHED_POLL_NS,    // doorbells, slot scan, lane checks, release of finished lanes
+  C_SCHED_DECODE_NS,  // one row per decode-ready lane
+  C_SCHED_ADMIT_NS,   // prefill chunks, admission, prompt copies, the batch's header
+  C_SCHED_BATCH_NS,   // the batch's token and sample arrays, counters, idle polling
   C_NUM_COUNTERS = 16
 };
 

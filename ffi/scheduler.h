@@ -271,21 +271,42 @@ struct BlinkSched {
   // ======================= schedule =======================
   template <class X>
   BLINK_HD void schedule(const X& x) const {
+    // The leader's clock at the last phase boundary: every phase ends with a barrier, so the
+    // leader reaching a boundary means the phase is done, and timing it adds no barrier.
+    // Device only, as C_SCHEDULE_NS: host and device states stay comparable word for word.
+    uint64_t mark = 0;
+    auto phase_done = [&](int ctr) {
+#ifdef __CUDA_ARCH__
+      x.lead([&] {
+        const uint64_t now = X_now_ns();
+        if (ctr >= 0) counter(ctr) += now - mark;
+        mark = now;
+      });
+#else
+      (void)ctr;
+      (void)mark;
+#endif
+    };
     x.serial([&] { counter(C_LOOP_ITERATIONS)++; });
     for (int pass = 0; pass < 2; ++pass) {
+      phase_done(-1);
       begin_pass(x);
       if (s(S_SCAN)) scan_slots(x);
       check_lanes(x);
       if (s(S_ANY_FINISH)) release_finished(x);
+      phase_done(C_SCHED_POLL_NS);
       decode_pass(x);
+      phase_done(C_SCHED_DECODE_NS);
       x.serial([&] {
         if (s(S_ANY_PREFILL)) prefill_pass();
         admit_waiting();
       });
       copy_prompts(x);
       x.serial([&] { finalize_schedule(); });
+      phase_done(C_SCHED_ADMIT_NS);
       fill_batch(x);
       x.serial([&] { publish_and_idle(); });
+      phase_done(C_SCHED_BATCH_NS);
       const bool retry = s(S_IDLE_RETRY) != 0;
       x.sync();  // everyone has read the flag before begin_pass rewrites it
       if (!retry) break;

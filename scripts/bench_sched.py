@@ -177,11 +177,13 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: 
   th.join(60)
   stop.set()
   release()
-  if "carry" in out:  # device time inside the two kernels, over the whole run (CUDA only)
-    ctr = np.asarray(out["carry"][0][:32]).view(np.uint64)
-    iters = max(int(ctr[1]), 1)
-    result.update(schedule_kernel_us=float(ctr[10]) / iters / 1e3,
-                  commit_kernel_us=float(ctr[11]) / iters / 1e3)
+  if "carry" in out:  # device time inside the kernels and schedule's phases (CUDA only)
+    ctr = F.counters(np.asarray(out["carry"][0]))
+    iters = max(ctr["loop_iterations"], 1)
+    result.update(schedule_kernel_us=ctr["schedule_ns"] / iters / 1e3,
+                  commit_kernel_us=ctr["commit_ns"] / iters / 1e3,
+                  **{f"schedule_{p}_us": ctr[f"sched_{p}_ns"] / iters / 1e3
+                     for p in ("poll", "decode", "admit", "batch")})
   result.update(C.stats(per_iter, "us_per_step"))
   result.update(lanes=lanes, slots=slots, mailbox=mailbox, interference=interference,
                 fused=fused,
@@ -198,9 +200,10 @@ def main(argv):
   rows = [measure(int(n), FLAGS.slots, FLAGS.seconds, FLAGS.repeats, lvl, mb, FLAGS.fused)
           for mb in FLAGS.mailbox for n in FLAGS.lanes
           for lvl in ([0, FLAGS.interference] if FLAGS.interference else [0])]
-  print(C.table(rows, ["mailbox", "lanes", "slots", "interference", "running", "us_per_step_median", "us_per_step_min",
-                       "us_per_step_max", "schedule_kernel_us", "commit_kernel_us",
-                       "tokens_per_iteration", "device_while"]))
+  print(C.table(rows, ["mailbox", "lanes", "slots", "interference", "running",
+                       "us_per_step_median", "schedule_kernel_us", "commit_kernel_us",
+                       "schedule_poll_us", "schedule_decode_us", "schedule_admit_us",
+                       "schedule_batch_us", "tokens_per_iteration", "device_while"]))
   C.write_result(FLAGS.out, "sched_step", rows)
 
 

@@ -51,6 +51,22 @@ def test_each_token_is_stamped_with_the_device_clock():
   assert t0 <= ns[0] <= time.monotonic_ns()  # the CPU handlers use the steady clock
 
 
+def test_named_counters_read_from_the_state():
+  """ffi.counters names the state's counters from the library's enum: loop iterations and
+  steps count on the host too; the kernel and phase timers are device-only (zero here)."""
+  from blink_jax import ffi as F
+  region, cfg = _setup()
+  seen = []
+  H.run([H.Job(0, [5, 6, 7], max_tokens=4, ignore_eos=True)], cfg, region,
+        step_hook=lambda step, sched: seen.append(F.counters(sched.state)))
+  first, last = seen[0], seen[-1]
+  assert set(first) == {"loop_iterations", "steps", "schedule_ns", "commit_ns",
+                        "sched_poll_ns", "sched_decode_ns", "sched_admit_ns", "sched_batch_ns"}
+  assert 0 < first["loop_iterations"] < last["loop_iterations"]
+  assert 0 < last["steps"] <= last["loop_iterations"]
+  assert all(last[k] == 0 for k in last if k.endswith("_ns"))
+
+
 def test_long_prompt_is_chunked_and_mixed_with_decode():
   region, cfg = _setup(buckets=(4, 8), max_seqs=4, num_pages=24)
   jobs = [H.Job(0, [3, 4], max_tokens=20, ignore_eos=True),
