@@ -31,17 +31,22 @@ ENABLED = os.environ.get("BLINK_PALLAS_FFW", "0") == "1"
 # Largest step (tokens) the kernel serves: one broadcast multiply per token and block.
 MAX_TOKENS = 8
 # Most hidden dims per block and output columns per program (Triton blocks are powers of
-# two: a dimension's largest power-of-two factor up to these, at least _MIN_BLOCK).
-BLOCK_K = 64
-BLOCK_N = 128
+# two: a dimension's largest power-of-two factor up to these, at least _MIN_BLOCK), and the
+# splits of the hidden dims (enough programs to fill the GPU with the 1B's 9 column
+# slices). Guesses until measured: the environment overrides them (scripts/bench_ffw.py).
+BLOCK_K = int(os.environ.get("BLINK_PALLAS_FFW_BLOCK_K", "64"))
+BLOCK_N = int(os.environ.get("BLINK_PALLAS_FFW_BLOCK_N", "128"))
+SPLITS = int(os.environ.get("BLINK_PALLAS_FFW_SPLITS", "16"))
 _MIN_BLOCK = 16
-# Splits of the hidden dims: enough programs to fill the GPU with the 1B's 9 column slices.
-SPLITS = 16
 
 
-def blocks(hidden: int, width: int) -> tuple[int, int]:
-  """(hidden dims per block, output columns per program) for these sizes."""
-  return min(BLOCK_K, hidden & -hidden), min(BLOCK_N, width & -width)
+def blocks(hidden: int, width: int, block_k: int | None = None,
+           block_n: int | None = None) -> tuple[int, int]:
+  """(hidden dims per block, output columns per program) for these sizes, at most block_k
+  and block_n (default BLOCK_K, BLOCK_N)."""
+  block_k = BLOCK_K if block_k is None else block_k
+  block_n = BLOCK_N if block_n is None else block_n
+  return min(block_k, hidden & -hidden), min(block_n, width & -width)
 
 
 def usable(tokens: int, hidden: int, width: int) -> bool:
@@ -83,16 +88,19 @@ def _kernel(gate_up_ref, down_ref, out_ref, *, hidden: int, block_k: int,
     out_ref[t, :] = acc[t]
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "interpret"))
-def ffw_down(gate_up: jax.Array, down: jax.Array, *, splits: int = SPLITS,
+@functools.partial(jax.jit, static_argnames=("splits", "block_k", "block_n", "interpret"))
+def ffw_down(gate_up: jax.Array, down: jax.Array, *, splits: int | None = None,
+             block_k: int | None = None, block_n: int | None = None,
              interpret: bool | None = None) -> jax.Array:
   """gate_up [T, 2F] (the fused gate/up projection), down [F, D] -> float32 partial sums
   [S, T, D] of (GELU(gate) x up) @ down over S splits of the hidden dims (S a power of two,
   as `pallas_norm.add_rms_norm` loads them); their sum, rounded
-  to the activation dtype, is the jnp MLP's output. interpret: run the kernel with Pallas'
-  interpreter (default: when the default device is not a GPU)."""
+  to the activation dtype, is the jnp MLP's output. splits, block_k, block_n: default
+  SPLITS, BLOCK_K, BLOCK_N. interpret: run the kernel with Pallas' interpreter (default:
+  when the default device is not a GPU)."""
   if interpret is None:
     interpret = jax.devices()[0].platform != "gpu"
+  splits = SPLITS if splits is None else splits
   tokens, fused = gate_up.shape
   hidden, width = down.shape
   if fused != 2 * hidden or not usable(tokens, hidden, width):
@@ -101,7 +109,10 @@ def ffw_down(gate_up: jax.Array, down: jax.Array, *, splits: int = SPLITS,
                      f"power-of-two factors of at least {_MIN_BLOCK})")
   if splits < 1 or splits & (splits - 1):
     raise ValueError(f"splits must be a power of two, got {splits}")
-  block_k, block_n = blocks(hidden, width)
+  block_k, block_n = blocks(hidden, width, block_k, block_n)
+  if min(block_k, block_n) < _MIN_BLOCK:
+    raise ValueError(f"blocks of {block_k} hidden dims x {block_n} columns: at least "
+                     f"{_MIN_BLOCK} each")
   blocks_per_split = pl.cdiv(hidden // block_k, splits)
   return pl.pallas_call(
       functools.partial(_kernel, hidden=hidden, block_k=block_k,

@@ -165,6 +165,12 @@ if has norm; then
 fi
 if has ffw; then
   log "fused down projection (BLINK_PALLAS_FFW=1) vs XLA's GELU x up + split-K GEMM + reduce"
+  # Per layer first (splits:block_n:block_k variants; pick the best with BLINK_PALLAS_FFW_*),
+  # then kernels per branch and the engine's per-token latency with the defaults.
+  timeout 200 python3 scripts/bench_ffw.py --config gemma3-1b --tokens 1,8 \
+    ${FFW_VARIANTS:+--variants $FFW_VARIANTS} --out bench/results/ffw_kernel_h200.json 2>&1 \
+    | grep -v "^[IW]1" | tail -12 | tee -a "$OUT/log.txt"
+  cp bench/results/ffw_kernel_h200.json "$OUT/" 2>/dev/null
   BLINK_PALLAS_FFW=1 dump_hlo ffw
   for f in 0 1; do
     BLINK_PALLAS_FFW=$f exec_bench ffw_$f 6 --batches 1,64 --modes persistent --interference 0
