@@ -37,6 +37,7 @@ MAX_TOKENS = 8
 BLOCK_K = int(os.environ.get("BLINK_PALLAS_FFW_BLOCK_K", "64"))
 BLOCK_N = int(os.environ.get("BLINK_PALLAS_FFW_BLOCK_N", "128"))
 SPLITS = int(os.environ.get("BLINK_PALLAS_FFW_SPLITS", "16"))
+UNROLL = os.environ.get("BLINK_PALLAS_FFW_UNROLL", "1") == "1"
 _MIN_BLOCK = 16
 
 
@@ -60,16 +61,20 @@ def gelu_tanh(x: jax.Array) -> jax.Array:
 
 
 def _kernel(gate_up_ref, down_ref, out_ref, *, hidden: int, block_k: int,
-            blocks_per_split: int):
+            blocks_per_split: int, unroll: bool):
   """One (column slice, split): gate_up_ref [T, 2F] (gate, then up); down_ref [F, N] (this
-  program's N columns) -> out_ref [T, N], the split's float32 partial sums."""
+  program's N columns) -> out_ref [T, N], the split's float32 partial sums. unroll: the
+  split's blocks as straight-line code (a block past the split's end reads the last block
+  and adds nothing), so Triton can issue every load before the math; else a loop, whose
+  loads wait for one another unless Triton pipelines it."""
   tokens = gate_up_ref.shape[0]
   dtype = gate_up_ref.dtype
   num_blocks = hidden // block_k
   first = pl.program_id(1) * blocks_per_split
   last = jnp.minimum(first + blocks_per_split, num_blocks)
 
-  def block(kb, acc):
+  def block(kb):
+    """The block's contribution to each token's partial sums."""
     k = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
     up_k = pl.ds(pl.multiple_of(hidden + kb * block_k, block_k), block_k)
     weight = down_ref[k, :].astype(jnp.float32)
@@ -79,28 +84,38 @@ def _kernel(gate_up_ref, down_ref, out_ref, *, hidden: int, block_k: int,
       up = gate_up_ref[t, up_k].astype(jnp.float32)
       # As the jnp MLP: GELU and the product rounded to the activation dtype.
       h = (gelu_tanh(gate).astype(dtype).astype(jnp.float32) * up).astype(dtype)
-      out.append(acc[t] + jnp.sum(h.astype(jnp.float32)[:, None] * weight, axis=0))
-    return tuple(out)
+      out.append(jnp.sum(h.astype(jnp.float32)[:, None] * weight, axis=0))
+    return out
 
-  zeros = tuple(jnp.zeros((out_ref.shape[1],), jnp.float32) for _ in range(tokens))
-  acc = lax.fori_loop(first, last, block, zeros)
+  acc = [jnp.zeros((out_ref.shape[1],), jnp.float32) for _ in range(tokens)]
+  if unroll:
+    for i in range(blocks_per_split):
+      kb = first + i
+      part = block(jnp.minimum(kb, num_blocks - 1))
+      acc = [a + jnp.where(kb < last, p, 0.0) for a, p in zip(acc, part)]
+  else:
+    acc = lax.fori_loop(first, last,
+                        lambda kb, acc: tuple(a + p for a, p in zip(acc, block(kb))),
+                        tuple(acc))
   for t in range(tokens):
     out_ref[t, :] = acc[t]
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "block_k", "block_n", "interpret"))
+@functools.partial(jax.jit, static_argnames=("splits", "block_k", "block_n", "unroll",
+                                             "interpret"))
 def ffw_down(gate_up: jax.Array, down: jax.Array, *, splits: int | None = None,
              block_k: int | None = None, block_n: int | None = None,
-             interpret: bool | None = None) -> jax.Array:
+             unroll: bool | None = None, interpret: bool | None = None) -> jax.Array:
   """gate_up [T, 2F] (the fused gate/up projection), down [F, D] -> float32 partial sums
   [S, T, D] of (GELU(gate) x up) @ down over S splits of the hidden dims (S a power of two,
   as `pallas_norm.add_rms_norm` loads them); their sum, rounded
-  to the activation dtype, is the jnp MLP's output. splits, block_k, block_n: default
-  SPLITS, BLOCK_K, BLOCK_N. interpret: run the kernel with Pallas' interpreter (default:
+  to the activation dtype, is the jnp MLP's output. splits, block_k, block_n, unroll
+  (`_kernel`): default SPLITS, BLOCK_K, BLOCK_N, UNROLL. interpret: run the kernel with Pallas' interpreter (default:
   when the default device is not a GPU)."""
   if interpret is None:
     interpret = jax.devices()[0].platform != "gpu"
   splits = SPLITS if splits is None else splits
+  unroll = UNROLL if unroll is None else unroll
   tokens, fused = gate_up.shape
   hidden, width = down.shape
   if fused != 2 * hidden or not usable(tokens, hidden, width):
@@ -116,7 +131,7 @@ def ffw_down(gate_up: jax.Array, down: jax.Array, *, splits: int | None = None,
   blocks_per_split = pl.cdiv(hidden // block_k, splits)
   return pl.pallas_call(
       functools.partial(_kernel, hidden=hidden, block_k=block_k,
-                        blocks_per_split=blocks_per_split),
+                        blocks_per_split=blocks_per_split, unroll=unroll),
       grid=(width // block_n, splits),
       in_specs=[pl.BlockSpec((tokens, fused), lambda n, s: (0, 0)),
                 pl.BlockSpec((hidden, block_n), lambda n, s: (0, n))],

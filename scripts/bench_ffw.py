@@ -6,7 +6,7 @@ several splits and block sizes.
 Each timed device loop chains `copies` layers with their own weights (more than the L2
 cache holds, as the model's 26 layers do), so the weights stream from HBM as in a step.
 
-  python scripts/bench_ffw.py --config gemma3-1b --tokens 1,8 --variants xla,16:128:64,32:128:64
+  python scripts/bench_ffw.py --config gemma3-1b --tokens 1,8 --variants xla,16:128:64,16:128:64:loop
 """
 from __future__ import annotations
 
@@ -26,8 +26,10 @@ from scripts import bench_common as C
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "gemma3-1b", "model config name, or 'tiny'")
 flags.DEFINE_list("tokens", ["1", "8"], "rows per call (decode batch)")
-flags.DEFINE_list("variants", ["xla", "16:128:64", "32:128:64", "16:64:64", "8:128:128"],
-                  "'xla', or splits:block_n:block_k of the fused kernel")
+flags.DEFINE_list("variants", ["xla", "16:128:64", "16:128:64:loop", "32:128:64", "16:64:64",
+                               "8:128:128"],
+                  "'xla', or splits:block_n:block_k[:loop] of the fused kernel (loop: its "
+                  "blocks in a loop instead of unrolled)")
 flags.DEFINE_integer("copies", 8, "layers (weight copies) chained per loop iteration")
 flags.DEFINE_integer("iters", 200, "loop iterations per timed loop")
 flags.DEFINE_integer("repeats", 5, "timed loops per point (median and spread reported)")
@@ -38,9 +40,12 @@ def down_fn(variant: str):
   """gate_up, down -> the branch for the add + norm kernel (partial sums for the fused one)."""
   if variant == "xla":
     return MLP.down_project
-  splits, block_n, block_k = (int(v) for v in variant.split(":"))
+  parts = variant.split(":")
+  splits, block_n, block_k = (int(v) for v in parts[:3])
+  unroll = parts[3:] != ["loop"]
   return lambda gate_up, down: pallas_ffw.ffw_down(gate_up, down, splits=splits,
-                                                   block_n=block_n, block_k=block_k)
+                                                   block_n=block_n, block_k=block_k,
+                                                   unroll=unroll)
 
 
 def layer_loop(variant: str, tokens: int, cfg, dtype):

@@ -35,11 +35,11 @@ def _check(gate_up, down, *, atol, **kw):
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**16), tokens=st.integers(1, pallas_ffw.MAX_TOKENS),
        hidden=st.sampled_from([16, 48, 128, 320]), width=st.sampled_from([16, 64, 384]),
-       splits=st.sampled_from([1, 2, 4, 16]))
-def test_matches_the_jnp_mlp(seed, tokens, hidden, width, splits):
-  # Splits that get no block (more splits than blocks) contribute zeros.
+       splits=st.sampled_from([1, 2, 4, 16]), unroll=st.booleans())
+def test_matches_the_jnp_mlp(seed, tokens, hidden, width, splits, unroll):
+  # Splits that get no block (more splits than blocks) contribute zeros, unrolled or not.
   _check(*_case(np.random.default_rng(seed), tokens, hidden, width, jnp.float32), atol=1e-5,
-         splits=splits)
+         splits=splits, unroll=unroll)
 
 
 def test_bf16_rounds_like_the_jnp_mlp():
@@ -76,12 +76,14 @@ def test_rejects_what_it_cannot_run():
   assert pallas_ffw.blocks(6912, 1152) == (64, 128)
 
 
-def test_lowers_to_one_triton_kernel_for_cuda():
+@pytest.mark.parametrize("unroll", [True, False])
+def test_lowers_to_one_triton_kernel_for_cuda(unroll):
   """Gemma 3 1B's MLP (6912 hidden dims, 1152 wide), bf16, batch 1: one Triton call over 9
   column slices x 16 splits."""
   shapes = [jax.ShapeDtypeStruct((1, 2 * 6912), jnp.bfloat16),
             jax.ShapeDtypeStruct((6912, 1152), jnp.bfloat16)]
-  text = lower_for_cuda(lambda *a: ffw_down(*a, interpret=False), *shapes)
+  text = lower_for_cuda(lambda *a: ffw_down(*a, splits=16, block_n=128, block_k=64,
+                                            unroll=unroll, interpret=False), *shapes)
   assert text.count(f"@{TRITON}") == 1
   assert "grid_x = 9 : i32, grid_y = 16 : i32, grid_z = 1 : i32" in text
   assert "stablehlo.while" not in text  # the interpreter would loop over the grid
@@ -99,7 +101,8 @@ def _check_on_gpu(rng):
   for tokens in (1, 8):
     for dtype, atol in ((jnp.float32, 1e-4), (jnp.bfloat16, 2e-2)):
       gate_up, down = _case(rng, tokens, 6912, 1152, dtype)
-      partials = _check(gate_up, down, atol=atol, interpret=False)
+      _check(gate_up, down, atol=atol, unroll=False, interpret=False)
+      partials = _check(gate_up, down, atol=atol, unroll=True, interpret=False)
       x = jnp.asarray(rng.standard_normal((tokens, 1152)), dtype)
       w1, w2 = (jnp.asarray(rng.standard_normal(1152) * 0.2, dtype) for _ in range(2))
       got = add_rms_norm_kernel(x, partials, w1, w2, 1e-6, interpret=False)
