@@ -108,9 +108,9 @@ def ffw_down(gate_up: jax.Array, down: jax.Array, *, splits: int | None = None,
              unroll: bool | None = None, interpret: bool | None = None) -> jax.Array:
   """gate_up [T, 2F] (the fused gate/up projection), down [F, D] -> float32 partial sums
   [S, T, D] of (GELU(gate) x up) @ down over S splits of the hidden dims (S a power of two,
-  as `pallas_norm.add_rms_norm` loads them); their sum, rounded
-  to the activation dtype, is the jnp MLP's output. splits, block_k, block_n, unroll
-  (`_kernel`): default SPLITS, BLOCK_K, BLOCK_N, UNROLL. interpret: run the kernel with Pallas' interpreter (default:
+  as `pallas_norm.add_rms_norm` loads them); their sum, rounded to the activation dtype, is
+  the jnp MLP's output. splits, block_k, block_n, unroll (`_kernel`): default SPLITS,
+  BLOCK_K, BLOCK_N, UNROLL. interpret: run the kernel with Pallas' interpreter (default:
   when the default device is not a GPU)."""
   if interpret is None:
     interpret = jax.devices()[0].platform != "gpu"

@@ -60,9 +60,10 @@ def select(kind: str, width: int, *, interpret: bool | None = None):
 def _kernel(x_ref, branch_ref, add_w_ref, next_w_ref, x_out_ref, y_ref, *, eps: float,
             chunk: int):
   """One row: x_ref, branch_ref [D] (or [S, D] float32 partial sums of the branch);
-  add_w_ref, next_w_ref [D] -> x_out_ref (x + normed branch), y_ref (x_out normed), [D] each. Every load comes first, every store last: Triton
-  cannot tell the refs apart, so it keeps a load that follows a store behind it, and a row
-  walked chunk by chunk paid one memory round trip per chunk (a slower step than XLA's)."""
+  add_w_ref, next_w_ref [D] -> x_out_ref (x + normed branch), y_ref (x_out normed), [D]
+  each. Every load comes first, every store last: Triton cannot tell the refs apart, so it
+  keeps a load that follows a store behind it, and a row walked chunk by chunk paid one
+  memory round trip per chunk (a slower step than XLA's)."""
   width = x_ref.shape[0]
   dtype = x_out_ref.dtype
   parts = [pl.ds(start, chunk) for start in range(0, width, chunk)]

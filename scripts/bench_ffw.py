@@ -6,7 +6,8 @@ several splits and block sizes.
 Each timed device loop chains `copies` layers with their own weights (more than the L2
 cache holds, as the model's 26 layers do), so the weights stream from HBM as in a step.
 
-  python scripts/bench_ffw.py --config gemma3-1b --tokens 1,8 --variants xla,16:128:64,16:128:64:loop
+  python scripts/bench_ffw.py --config gemma3-1b --tokens 1,8 \
+      --variants xla,16:128:64,16:128:64:loop
 """
 from __future__ import annotations
 

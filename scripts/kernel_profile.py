@@ -2,7 +2,8 @@
 from a trace `jax.profiler.trace(..., create_perfetto_trace=True)` wrote (for example
 `bench_executor.py --profile DIR`).
 
-  python scripts/kernel_profile.py --trace DIR/persistent_b1 --out bench/results/kernel_profile_b1_h200.json
+  python scripts/kernel_profile.py --trace DIR/persistent_b1 \
+      --out bench/results/kernel_profile_b1_h200.json
 
 Kernels are grouped by name (KINDS: first match wins); loop iterations are counted by the
 scheduler's kernels. `busy_us_per_iteration` against `span_us_per_iteration` says how much of
