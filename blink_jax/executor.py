@@ -151,6 +151,9 @@ class Executor:
     # host mode pays every step. Traced code rebuilds the State (`_model`).
     leaves, self._params_def = jax.tree.flatten(params)
     self.params = tuple(jax.device_put(leaves, self.device))
+    # Each layer's q/k/v and gate/up weights side by side, made once: a step that made them
+    # would copy them every step in host mode (the loop hoists such a copy; a step cannot).
+    self.fused = jax.jit(lambda p: tuple(self._model(p).fused_weights()))(self.params)
     # Zero outputs for empty steps and requests without logprobs, made once: a zero-fill
     # inside the loop would be a memset, which XLA cannot capture into a CUDA graph.
     n, k, r = sched.max_seqs, max_top_logprobs, sched.token_budget
@@ -183,8 +186,8 @@ class Executor:
 
   @property
   def inputs(self):
-    """The loop's read-only inputs: weights and the zero outputs."""
-    return (self.params, self.zeros)
+    """The loop's read-only inputs: weights, the zero outputs, the fused weights."""
+    return (self.params, self.zeros, self.fused)
 
   # ---- state ----
   def initial_carry(self) -> Carry:
@@ -204,10 +207,11 @@ class Executor:
     samples = min(rows, s.max_seqs)
 
     def run(params, words, page_table, kv):
-      params, zeros = params
+      params, zeros, fused = params
       model = self._model(params)
       b = B.split(words, s.token_budget, s.max_seqs, rows, samples)
       hidden, kv = model.forward(b.tokens, b.positions, b.seq_ids, page_table, kv,
+                                 fused=fused,
                                  **step_kernels(model.cfg, self.attention, self.norm, rows,
                                                 interpret=self.device.platform != "gpu"))
       h = hidden[jnp.clip(b.rows, 0, rows - 1)]

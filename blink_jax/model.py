@@ -18,7 +18,7 @@ can run each pair as one fused kernel (`blink_jax.pallas_norm`).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -148,17 +148,21 @@ class Attention(nnx.Module):
     """The keyword arguments of an attention function for this layer."""
     return dict(window=self.window, softcap=self.softcap, scale=self.scale)
 
-  def project(self, x: jax.Array) -> jax.Array:
+  def project(self, x: jax.Array, fused: jax.Array | None = None) -> jax.Array:
     """x [..., D] -> the fused projection [..., (H + 2K) * h]: q, k, v heads (before norms
-    and RoPE) side by side, `split_qkv` parts them. One matmul with the weights
-    concatenated (XLA hoists the concatenation out of the serving loop, as its own dot
-    merger does), so a kernel that takes the projection reads it in place: three separate
-    outputs made XLA copy each slice of its merged matmul into a buffer of its own. A 2-D
-    matmul: at one row XLA's GPU backend compiled a 3-D einsum to a multiply that wrote the
-    whole weight-sized product, then a reduce (docs/NOTES.md, finding 18)."""
-    d = x.shape[-1]
-    w = jnp.concatenate([w[...].reshape(d, -1) for w in (self.q, self.k, self.v)], axis=1)
+    and RoPE) side by side, `split_qkv` parts them. One matmul over the concatenated weights
+    (`fused`, from `qkv_weight`, made once by the executor; else concatenated here), so a
+    kernel that takes the projection reads it in place: three separate outputs made XLA
+    copy each slice of its merged matmul into a buffer of its own. A 2-D matmul: at one row
+    XLA's GPU backend compiled a 3-D einsum to a multiply that wrote the whole weight-sized
+    product, then a reduce (docs/NOTES.md, finding 18)."""
+    w = self.qkv_weight() if fused is None else fused
     return x @ w.astype(x.dtype)
+
+  def qkv_weight(self) -> jax.Array:
+    """The q, k and v weights side by side, [D, (H + 2K) * h]."""
+    d = self.q.shape[0]
+    return jnp.concatenate([w[...].reshape(d, -1) for w in (self.q, self.k, self.v)], axis=1)
 
   def heads(self) -> dict[str, int]:
     """The head counts `split_qkv` and the prepare functions take."""
@@ -199,12 +203,16 @@ class MLP(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.down_project(self.gate_up(x), self.down[...])
 
-  def gate_up(self, x: jax.Array) -> jax.Array:
+  def gate_up(self, x: jax.Array, fused: jax.Array | None = None) -> jax.Array:
     """x [..., D] -> the fused gate/up projection [..., 2F] (gate, then up): one matmul over
-    the concatenated weights (hoisted out of the serving loop, as for `Attention.project`),
+    the concatenated weights (`fused`, from `gate_up_weight`, as for `Attention.project`),
     so a kernel can take it in place."""
-    w = jnp.concatenate([self.gate[...], self.up[...]], axis=1)
+    w = self.gate_up_weight() if fused is None else fused
     return x @ w.astype(x.dtype)
+
+  def gate_up_weight(self) -> jax.Array:
+    """The gate and up weights side by side, [D, 2F]."""
+    return jnp.concatenate([self.gate[...], self.up[...]], axis=1)
 
   @staticmethod
   def down_project(gate_up: jax.Array, down: jax.Array) -> jax.Array:
@@ -228,14 +236,20 @@ class Block(nnx.Module):
     self.eps = cfg.rms_norm_eps
 
   def ffw(self, x: jax.Array, attn: jax.Array, add_norm: AddNormFn,
-          down_fn: FfwDownFn | None = None) -> tuple[jax.Array, jax.Array]:
+          down_fn: FfwDownFn | None = None,
+          gate_up: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Residual stream and attention output [..., H, h] -> the residual stream after the
     attention and the MLP's output (before its post-FFW norm and add; `down_fn` may hand it
-    as partial sums, see `add_rms_norm`)."""
+    as partial sums, see `add_rms_norm`). gate_up: `MLP.gate_up_weight`, if made already."""
     x, y = add_norm(x, self.attn.out(attn), self.post_attn_norm[...], self.pre_ffw_norm[...],
                     self.eps)
     down_fn = MLP.down_project if down_fn is None else down_fn
-    return x, down_fn(self.mlp.gate_up(y), self.mlp.down[...])
+    return x, down_fn(self.mlp.gate_up(y, gate_up), self.mlp.down[...])
+
+  def fused_weights(self) -> tuple[jax.Array, jax.Array]:
+    """(`Attention.qkv_weight`, `MLP.gate_up_weight`): what `Gemma.forward` takes as
+    `fused`."""
+    return self.attn.qkv_weight(), self.mlp.gate_up_weight()
 
 
 class Gemma(nnx.Module):
@@ -296,7 +310,9 @@ class Gemma(nnx.Module):
               attention_fn: AttentionFn | None = None,
               add_norm_fn: AddNormFn | None = None,
               prepare_fn: PrepareFn | None = None,
-              ffw_down_fn: FfwDownFn | None = None) -> tuple[jax.Array, KVCache]:
+              ffw_down_fn: FfwDownFn | None = None,
+              fused: Sequence[tuple[jax.Array, jax.Array]] | None = None
+              ) -> tuple[jax.Array, KVCache]:
     """One ragged paged step (docs/CONTRACTS.md): tokens/positions/seq_ids [T] int32,
     page_table [S, max_pages]. Every token writes its K/V, then attends to its sequence.
 
@@ -308,7 +324,9 @@ class Gemma(nnx.Module):
     MLP's output) to `MLP.down_project`. A faster set must agree on the query's layout
     (`pallas_norm.prepare_qkv` can hand the Pallas attention its query already grouped and
     padded) and on the MLP output's (`pallas_ffw.ffw_down` hands partial sums to the add +
-    norm).
+    norm). fused: each layer's `Block.fused_weights`, made once by the caller (the executor
+    does, so no step concatenates weights; without them every step does, which inside the
+    serving loop XLA hoists but a host-driven step cannot).
     """
     attention_fn = paged_attention_reference if attention_fn is None else attention_fn
     prepare_fn = prepare_qkv if prepare_fn is None else prepare_fn
@@ -323,15 +341,22 @@ class Gemma(nnx.Module):
       key = (attn.rope_base, attn.rope_scale)
       if key not in tables:
         tables[key] = attn.rope_tables(positions)
-      q, kv_pages = prepare_fn(attn.project(y), *tables[key], *attn.norm_weights(), attn.eps,
-                               kv_cache[i], slots, **attn.heads())
+      qkv = attn.project(y, None if fused is None else fused[i][0])
+      q, kv_pages = prepare_fn(qkv, *tables[key], *attn.norm_weights(), attn.eps, kv_cache[i],
+                               slots, **attn.heads())
       new_cache.append(kv_pages)
       return attention_fn(q, kv_pages, page_table, seq_ids, positions, **attn.attention_kwargs())
-    x = self._run_layers(self.embed_tokens(tokens), attend, add_norm_fn, ffw_down_fn)
+    x = self._run_layers(self.embed_tokens(tokens), attend, add_norm_fn, ffw_down_fn,
+                         None if fused is None else [f[1] for f in fused])
     return x, new_cache
 
+  def fused_weights(self) -> list[tuple[jax.Array, jax.Array]]:
+    """Each layer's `Block.fused_weights`, for `forward(fused=...)`."""
+    return [layer.fused_weights() for layer in self.layers]
+
   def _run_layers(self, x: jax.Array, attend: Callable[..., jax.Array],
-                  add_norm: AddNormFn | None, down_fn: FfwDownFn | None = None) -> jax.Array:
+                  add_norm: AddNormFn | None, down_fn: FfwDownFn | None = None,
+                  gate_ups: Sequence[jax.Array] | None = None) -> jax.Array:
     """The decoder stack over embedded tokens x [..., D]; attend(i, layer, y) -> the
     attention output of layer i for its normed input y. Returns the final residual stream
     (before the final norm)."""
@@ -340,7 +365,8 @@ class Gemma(nnx.Module):
     layers = list(self.layers)
     y = rms_norm(x, layers[0].pre_attn_norm[...], eps)
     for i, layer in enumerate(layers):
-      x, h = layer.ffw(x, attend(i, layer, y), add_norm, down_fn)
+      x, h = layer.ffw(x, attend(i, layer, y), add_norm, down_fn,
+                       None if gate_ups is None else gate_ups[i])
       if i + 1 < len(layers):
         x, y = add_norm(x, h, layer.post_ffw_norm[...], layers[i + 1].pre_attn_norm[...], eps)
       else:
