@@ -40,9 +40,10 @@ flags.DEFINE_enum("attention", "auto", config.KERNEL_KINDS,
 flags.DEFINE_enum("norm", "auto", config.KERNEL_KINDS,
                   "norm kernels: add + RMSNorm pairs, q/k norm + RoPE (Engine(norm=...))")
 flags.DEFINE_string("profile", None, "write a jax.profiler trace of each mode's engine, from "
-                    "its first case to its shutdown, under this directory (<mode>_b<first "
-                    "batch>; scripts/kernel_profile.py reads it); its rows are marked "
-                    "profiled: the tracer's overhead is in them")
+                    "before its start to after its shutdown (the trace's stop waits for the "
+                    "device), under this directory (<mode>_b<first batch>; "
+                    "scripts/kernel_profile.py reads it); its rows are marked profiled: the "
+                    "tracer's overhead is in them")
 flags.DEFINE_enum("warm_up", "workload", ["workload", "shutdown"],
                   "before serving, run every bucket branch once (workload) or only one "
                   "schedule (shutdown) in XLA's op-by-op first execution (docs/NOTES.md, 16)")
@@ -147,6 +148,10 @@ def main(argv):
   rows, reports = [], {}
   max_seqs = max(int(b) for b in FLAGS.batches)
   for mode in FLAGS.modes:
+    tracing = None
+    if FLAGS.profile:  # started before the engine, so no device loop runs yet
+      tracing = os.path.join(FLAGS.profile, f"{mode}_b{FLAGS.batches[0]}")
+      jax.profiler.start_trace(tracing, create_perfetto_trace=True)
     t = time.perf_counter()
     eng, cfg = build_engine(mode, max_seqs)
     blockers = sorted({l.split("] ")[-1] for l in eng.executor.compile_log.splitlines()
@@ -156,13 +161,9 @@ def main(argv):
                      "attention": eng.executor.attention, "norm": eng.executor.norm,
                      "startup_s": round(time.perf_counter() - t, 1)}
     print(mode, reports[mode], flush=True)
-    tracing = None
     try:
       for b in (int(x) for x in FLAGS.batches):
         for lvl in levels:
-          if FLAGS.profile and not tracing:
-            tracing = os.path.join(FLAGS.profile, f"{mode}_b{b}")
-            jax.profiler.start_trace(tracing, create_perfetto_trace=True)
           row = {"mode": mode, **run_case(eng, cfg, b, lvl, cpus)}
           if tracing:
             row["profiled"] = True

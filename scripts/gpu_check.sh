@@ -179,7 +179,7 @@ fi
 if has profile; then
   log "where a serving-loop iteration's GPU time goes (jax.profiler trace, kernels by kind)"
   for b in 1 64; do  # one engine per trace: the trace ends after the engine's shutdown
-    EXEC_TIMEOUT=${PROFILE_TIMEOUT:-200} exec_bench profiled_b$b 3 --modes persistent \
+    EXEC_TIMEOUT=${PROFILE_TIMEOUT:-150} exec_bench profiled_b$b 3 --modes persistent \
       --batches $b --interference 0 --profile /tmp/blink_profile
     python3 scripts/kernel_profile.py --trace /tmp/blink_profile/persistent_b$b \
       --out bench/results/kernel_profile_b${b}_h200.json 2>&1 | grep -v "^[IW]1" | head -32 \
