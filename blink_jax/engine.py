@@ -162,6 +162,7 @@ class Engine:
 
     from blink_jax import executor as X
     from blink_jax import ffi as F
+    from blink_jax import kernels
 
     if mode not in ("persistent", "host"):
       raise ValueError(f"mode must be 'persistent' or 'host', got {mode!r}")
@@ -228,7 +229,7 @@ class Engine:
                "kv pages %d x %d, buckets %s, attention %s, norm %s, experimental kernels %s",
                model_name, cfg.name, cfg.num_layers, model.dtype, self.device, mode, max_seqs,
                kv_pages, page_size, list(buckets), self.executor.attention, self.executor.norm,
-               X.experimental_kernels() or "off")
+               kernels.experimental_kernels() or "off")
       carry = self.executor.initial_carry()
       self.compiled = self.executor.compile(carry, mode)
       self.client = M.MailboxClient(self.region, frontend_workers, self.mailbox_workers)

@@ -30,8 +30,8 @@ from jax import lax
 from blink_jax import batch as B
 from blink_jax import config
 from blink_jax import ffi as F
-from blink_jax import pallas_attention, pallas_ffw, pallas_norm, pallas_prefill
-from blink_jax.model import Gemma, add_rms_norm, init_kv_cache
+from blink_jax.kernels import step_kernels
+from blink_jax.model import Gemma, init_kv_cache
 from blink_jax.sampling import sample, top_n
 
 log = logging.getLogger("blink_jax.executor")
@@ -88,37 +88,6 @@ def commit_call(cfg: F.SchedConfig, state, history, page_table, words, sampled, 
                           has_side_effect=FFI_SIDE_EFFECT)(
       state, history, page_table, words, sampled, logprobs, top_ids, top_lps, row_lps,
       row_top_ids, row_top_lps, **cfg.attrs())
-
-
-def experimental_kernels() -> list[str]:
-  """The kernels switched on by environment variables (not yet measured on a GPU)."""
-  return [name for name, on in (("BLINK_PALLAS_PREFILL", pallas_prefill.ENABLED),
-                                ("BLINK_PALLAS_FFW", pallas_ffw.ENABLED)) if on]
-
-
-def step_kernels(cfg, attention: str, norm: str, rows: int, *, interpret: bool) -> dict:
-  """`Gemma.forward`'s kernel functions for a step of `rows` tokens, given the resolved
-  kinds (`config.resolve_kernel`). A Pallas kernel is compiled by Triton on the GPU and run
-  by Pallas' interpreter elsewhere (interpret: the engine's device decides, so a CPU engine
-  on a GPU machine interprets). With both kinds "pallas" the q/k kernel hands the attention
-  its query grouped by KV head and padded; with norm "pallas" and BLINK_PALLAS_FFW=1, steps
-  of up to `pallas_ffw.MAX_TOKENS` tokens run the fused down projection."""
-  attention_fn = pallas_attention.select(attention, rows, interpret=interpret)
-  group = cfg.num_heads // cfg.num_kv_heads
-  grouped = norm == "pallas" and pallas_attention.uses_kernel(attention, rows)
-  if grouped:
-    attention_fn = functools.partial(attention_fn, group=group)
-  prepare_fn = pallas_norm.select_prepare(
-      norm, query_rows=pallas_attention.query_rows(group) if grouped else None,
-      interpret=interpret)
-  add_norm_fn = pallas_norm.select(norm, cfg.d_model, interpret=interpret)
-  ffw_down_fn = None
-  # The fused down projection hands partial sums to the add + norm kernel, which sums them.
-  if (norm == "pallas" and pallas_ffw.ENABLED and add_norm_fn is not add_rms_norm
-      and pallas_ffw.usable(rows, cfg.ffw_hidden, cfg.d_model)):
-    ffw_down_fn = functools.partial(pallas_ffw.ffw_down, interpret=interpret)
-  return dict(attention_fn=attention_fn, prepare_fn=prepare_fn, add_norm_fn=add_norm_fn,
-              ffw_down_fn=ffw_down_fn)
 
 
 class Executor:

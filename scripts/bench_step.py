@@ -19,7 +19,7 @@ from flax import nnx
 from jax import lax
 
 from blink_jax import config, pallas_attention, pallas_prefill, xla_flags
-from blink_jax.executor import step_kernels
+from blink_jax.kernels import step_kernels
 from scripts import bench_common as C
 
 FLAGS = flags.FLAGS

@@ -1,4 +1,4 @@
-"""Which kernels a serving step runs: `executor.step_kernels` wires the Pallas kernel sets
+"""Which kernels a serving step runs: `kernels.step_kernels` wires the Pallas kernel sets
 into `Gemma.forward`. Pallas' Triton lowering runs in Python, so the step is lowered for
 CUDA here (jax.export, no GPU) and its Triton calls are counted per layer."""
 import collections
@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from blink_jax.config import get_config
-from blink_jax.executor import step_kernels
+from blink_jax.kernels import step_kernels
 from blink_jax.model import Gemma, init_kv_cache
 from tests.cuda_lowering import TRITON, lower_for_cuda
 KERNELS = ("blink_add_rms_norm", "blink_prepare_qkv", "blink_paged_decode_attention",
