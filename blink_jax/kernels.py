@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import functools
 
-from blink_jax import pallas_attention, pallas_ffw, pallas_norm, pallas_prefill
+from blink_jax import pallas_attention, pallas_ffw, pallas_norm, pallas_out, pallas_prefill
 from blink_jax.model import add_rms_norm
 
 
 def experimental_kernels() -> list[str]:
   """The kernels switched on by environment variables (not yet measured on a GPU)."""
   return [name for name, on in (("BLINK_PALLAS_PREFILL", pallas_prefill.ENABLED),
-                                ("BLINK_PALLAS_FFW", pallas_ffw.ENABLED)) if on]
+                                ("BLINK_PALLAS_FFW", pallas_ffw.ENABLED),
+                                ("BLINK_PALLAS_OUT", pallas_out.ENABLED)) if on]
 
 
 def step_kernels(cfg, attention: str, norm: str, rows: int, *, interpret: bool) -> dict:
@@ -21,7 +22,9 @@ def step_kernels(cfg, attention: str, norm: str, rows: int, *, interpret: bool) 
   by Pallas' interpreter elsewhere (interpret: the engine's device decides, so a CPU engine
   on a GPU machine interprets). With both kinds "pallas" the q/k kernel hands the attention
   its query grouped by KV head and padded; with norm "pallas" and BLINK_PALLAS_FFW=1, steps
-  of up to `pallas_ffw.MAX_TOKENS` tokens run the fused down projection."""
+  of up to `pallas_ffw.MAX_TOKENS` tokens run the fused down projection, and with both
+  "pallas" and BLINK_PALLAS_OUT=1 small steps merge the attention's splits inside the
+  output projection (`pallas_out`)."""
   attention_fn = pallas_attention.select(attention, rows, interpret=interpret)
   group = cfg.num_heads // cfg.num_kv_heads
   grouped = norm == "pallas" and pallas_attention.uses_kernel(attention, rows)
@@ -31,10 +34,16 @@ def step_kernels(cfg, attention: str, norm: str, rows: int, *, interpret: bool) 
       norm, query_rows=pallas_attention.query_rows(group) if grouped else None,
       interpret=interpret)
   add_norm_fn = pallas_norm.select(norm, cfg.d_model, interpret=interpret)
-  ffw_down_fn = None
-  # The fused down projection hands partial sums to the add + norm kernel, which sums them.
-  if (norm == "pallas" and pallas_ffw.ENABLED and add_norm_fn is not add_rms_norm
-      and pallas_ffw.usable(rows, cfg.ffw_hidden, cfg.d_model)):
+  # The fused down projection and the merge + output projection hand partial sums to the
+  # add + norm kernel, which adds them up.
+  sums_partials = norm == "pallas" and add_norm_fn is not add_rms_norm
+  ffw_down_fn = out_fn = None
+  if sums_partials and pallas_ffw.ENABLED and pallas_ffw.usable(rows, cfg.ffw_hidden,
+                                                                cfg.d_model):
     ffw_down_fn = functools.partial(pallas_ffw.ffw_down, interpret=interpret)
+  if (sums_partials and grouped and pallas_out.ENABLED
+      and pallas_out.usable(rows, cfg.num_heads, cfg.head_dim, cfg.d_model)):
+    attention_fn = functools.partial(attention_fn, merged=False)
+    out_fn = functools.partial(pallas_out.merge_out_project, group=group, interpret=interpret)
   return dict(attention_fn=attention_fn, prepare_fn=prepare_fn, add_norm_fn=add_norm_fn,
-              ffw_down_fn=ffw_down_fn)
+              ffw_down_fn=ffw_down_fn, out_fn=out_fn)

@@ -32,6 +32,7 @@ KVCache = list[jax.Array]  # per layer kv_pages [P, page, 2 * K * h]: keys, then
 AttentionFn = Callable[..., jax.Array]  # the signature of paged_attention_reference
 AddNormFn = Callable[..., tuple[jax.Array, jax.Array]]  # the signature of add_rms_norm
 FfwDownFn = Callable[..., jax.Array]  # the signature of MLP.down_project (without self)
+OutFn = Callable[..., jax.Array]  # (attention output, o weights [H, h, D], dtype) -> branch
 PrepareFn = Callable[..., tuple[jax.Array, jax.Array]]  # the signature of prepare_qkv
 
 
@@ -235,14 +236,17 @@ class Block(nnx.Module):
     self.mlp = MLP(cfg, param_dtype=param_dtype, rngs=rngs)
     self.eps = cfg.rms_norm_eps
 
-  def ffw(self, x: jax.Array, attn: jax.Array, add_norm: AddNormFn,
-          down_fn: FfwDownFn | None = None,
-          gate_up: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  def ffw(self, x: jax.Array, attn: Any, add_norm: AddNormFn,
+          down_fn: FfwDownFn | None = None, gate_up: jax.Array | None = None,
+          out_fn: OutFn | None = None) -> tuple[jax.Array, jax.Array]:
     """Residual stream and attention output [..., H, h] -> the residual stream after the
     attention and the MLP's output (before its post-FFW norm and add; `down_fn` may hand it
-    as partial sums, see `add_rms_norm`). gate_up: `MLP.gate_up_weight`, if made already."""
-    x, y = add_norm(x, self.attn.out(attn), self.post_attn_norm[...], self.pre_ffw_norm[...],
-                    self.eps)
+    as partial sums, see `add_rms_norm`). gate_up: `MLP.gate_up_weight`, if made already.
+    out_fn: projects the attention's output (in whatever form the attention function left
+    it) instead of `Attention.out`, maybe as partial sums."""
+    branch = (self.attn.out(attn) if out_fn is None
+              else out_fn(attn, self.attn.o[...], x.dtype))
+    x, y = add_norm(x, branch, self.post_attn_norm[...], self.pre_ffw_norm[...], self.eps)
     down_fn = MLP.down_project if down_fn is None else down_fn
     return x, down_fn(self.mlp.gate_up(y, gate_up), self.mlp.down[...])
 
@@ -311,6 +315,7 @@ class Gemma(nnx.Module):
               add_norm_fn: AddNormFn | None = None,
               prepare_fn: PrepareFn | None = None,
               ffw_down_fn: FfwDownFn | None = None,
+              out_fn: OutFn | None = None,
               fused: Sequence[tuple[jax.Array, jax.Array]] | None = None
               ) -> tuple[jax.Array, KVCache]:
     """One ragged paged step (docs/CONTRACTS.md): tokens/positions/seq_ids [T] int32,
@@ -323,8 +328,9 @@ class Gemma(nnx.Module):
     `prepare_qkv`; `ffw_down_fn` (the fused gate/up projection and the down weights -> the
     MLP's output) to `MLP.down_project`. A faster set must agree on the query's layout
     (`pallas_norm.prepare_qkv` can hand the Pallas attention its query already grouped and
-    padded) and on the MLP output's (`pallas_ffw.ffw_down` hands partial sums to the add +
-    norm). fused: each layer's `Block.fused_weights`, made once by the caller (the executor
+    padded), on the MLP output's (`pallas_ffw.ffw_down` hands partial sums to the add +
+    norm) and on the attention output's (`out_fn`, default `Attention.out`:
+    `pallas_out.merge_out_project` takes the attention's unmerged splits). fused: each layer's `Block.fused_weights`, made once by the caller (the executor
     does, so no step concatenates weights; without them every step does, which inside the
     serving loop XLA hoists but a host-driven step cannot).
     """
@@ -347,7 +353,7 @@ class Gemma(nnx.Module):
       new_cache.append(kv_pages)
       return attention_fn(q, kv_pages, page_table, seq_ids, positions, **attn.attention_kwargs())
     x = self._run_layers(self.embed_tokens(tokens), attend, add_norm_fn, ffw_down_fn,
-                         None if fused is None else [f[1] for f in fused])
+                         None if fused is None else [f[1] for f in fused], out_fn)
     return x, new_cache
 
   def fused_weights(self) -> list[tuple[jax.Array, jax.Array]]:
@@ -356,7 +362,8 @@ class Gemma(nnx.Module):
 
   def _run_layers(self, x: jax.Array, attend: Callable[..., jax.Array],
                   add_norm: AddNormFn | None, down_fn: FfwDownFn | None = None,
-                  gate_ups: Sequence[jax.Array] | None = None) -> jax.Array:
+                  gate_ups: Sequence[jax.Array] | None = None,
+                  out_fn: OutFn | None = None) -> jax.Array:
     """The decoder stack over embedded tokens x [..., D]; attend(i, layer, y) -> the
     attention output of layer i for its normed input y. Returns the final residual stream
     (before the final norm)."""
@@ -366,7 +373,7 @@ class Gemma(nnx.Module):
     y = rms_norm(x, layers[0].pre_attn_norm[...], eps)
     for i, layer in enumerate(layers):
       x, h = layer.ffw(x, attend(i, layer, y), add_norm, down_fn,
-                       None if gate_ups is None else gate_ups[i])
+                       None if gate_ups is None else gate_ups[i], out_fn)
       if i + 1 < len(layers):
         x, y = add_norm(x, h, layer.post_ffw_norm[...], layers[i + 1].pre_attn_norm[...], eps)
       else:

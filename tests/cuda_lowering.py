@@ -16,6 +16,15 @@ def lower_for_cuda(fn, *shapes) -> str:
   return exported.mlir_module()
 
 
+def check_triton_calls(text: str, calls: int, *grids: tuple[int, int, int]) -> None:
+  """The lowered module launches `calls` Triton kernels, among them ones with these grids,
+  and no interpreter loop (Pallas' interpreter would loop over the grid)."""
+  assert text.count(f"@{TRITON}") == calls
+  for x, y, z in grids:
+    assert f"grid_x = {x} : i32, grid_y = {y} : i32, grid_z = {z} : i32" in text
+  assert "stablehlo.while" not in text
+
+
 def require_gpu():
   if jax.devices()[0].platform != "gpu":
     pytest.skip("needs a GPU")

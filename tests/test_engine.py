@@ -355,11 +355,15 @@ def test_pallas_prefill_kernel_equals_the_dense_reference(model, dense, monkeypa
   _pallas_engine_equals_the_dense_reference(model, dense)
 
 
-def test_pallas_ffw_kernel_equals_the_dense_reference(model, dense, monkeypatch):
-  # Steps of up to 8 tokens run the fused down projection, whose partial sums the add + norm
-  # kernel adds up (BLINK_PALLAS_FFW=1); larger buckets keep XLA's matmul.
-  from blink_jax import pallas_ffw
-  monkeypatch.setattr(pallas_ffw, "ENABLED", True)
+@pytest.mark.parametrize("switches", [("pallas_ffw",), ("pallas_out",),
+                                      ("pallas_ffw", "pallas_out")])
+def test_partial_sum_kernels_equal_the_dense_reference(model, dense, monkeypatch, switches):
+  # Steps of up to 8 tokens run the fused down projection (BLINK_PALLAS_FFW=1) and/or the
+  # merge inside the output projection (BLINK_PALLAS_OUT=1), whose partial sums the add +
+  # norm kernel adds up; larger buckets keep XLA's matmuls.
+  import importlib
+  for name in switches:
+    monkeypatch.setattr(importlib.import_module(f"blink_jax.{name}"), "ENABLED", True)
   _pallas_engine_equals_the_dense_reference(model, dense)
 
 

@@ -83,11 +83,13 @@ def test_gpu_prefill_kernel_tokens_equal_cpu_tokens(monkeypatch):
   assert outs["cpu"] == outs["gpu"]
 
 
-def test_gpu_ffw_kernel_tokens_equal_cpu_tokens(monkeypatch):
-  # Bucket-4 steps through the fused down projection (BLINK_PALLAS_FFW=1), whose partial
-  # sums the add + norm kernel adds up.
-  from blink_jax import pallas_ffw
+def test_gpu_partial_sum_kernels_tokens_equal_cpu_tokens(monkeypatch):
+  # Bucket-4 steps through the fused down projection (BLINK_PALLAS_FFW=1) and the merge
+  # inside the output projection (BLINK_PALLAS_OUT=1), whose partial sums the add + norm
+  # kernel adds up.
+  from blink_jax import pallas_ffw, pallas_out
   monkeypatch.setattr(pallas_ffw, "ENABLED", True)
+  monkeypatch.setattr(pallas_out, "ENABLED", True)
   outs = _tiny_engine_tokens_on_cpu_and_gpu(model_seed=6, prompt_seed=5)
   assert outs["cpu"] == outs["gpu"]
 

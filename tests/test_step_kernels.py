@@ -14,7 +14,8 @@ from blink_jax.kernels import step_kernels
 from blink_jax.model import Gemma, init_kv_cache
 from tests.cuda_lowering import TRITON, lower_for_cuda
 KERNELS = ("blink_add_rms_norm", "blink_prepare_qkv", "blink_paged_decode_attention",
-           "blink_paged_decode_merge", "blink_paged_prefill_attention", "blink_ffw_down")
+           "blink_paged_decode_merge", "blink_paged_prefill_attention", "blink_ffw_down",
+           "blink_merge_out_project")
 
 
 def _triton_calls(text: str) -> collections.Counter:
@@ -85,15 +86,21 @@ def test_prefill_buckets_run_the_prefill_kernel_when_enabled(monkeypatch):
       "blink_paged_prefill_attention": layers, "blink_paged_decode_merge": layers}
 
 
-def test_small_steps_run_the_fused_down_projection_when_enabled(monkeypatch):
-  from blink_jax import pallas_ffw
-  monkeypatch.setattr(pallas_ffw, "ENABLED", True)
+@pytest.mark.parametrize("module,kernel,replaces", [
+    ("pallas_ffw", "blink_ffw_down", None),  # XLA's down projection
+    ("pallas_out", "blink_merge_out_project", "blink_paged_decode_merge")])
+def test_small_steps_run_the_partial_sum_kernels_when_enabled(monkeypatch, module, kernel,
+                                                             replaces):
+  import importlib
+  monkeypatch.setattr(importlib.import_module(f"blink_jax.{module}"), "ENABLED", True)
   cfg = get_config("gemma3-270m")
   layers = cfg.num_layers
-  assert _lowered_step(cfg, "pallas", "pallas", 1) == {
-      "blink_prepare_qkv": layers, "blink_paged_decode_attention": layers,
-      "blink_paged_decode_merge": layers, "blink_add_rms_norm": 2 * layers - 1,
-      "blink_ffw_down": layers}
-  # Larger steps, and steps without the add + norm kernel that sums its partials, do not.
-  assert "blink_ffw_down" not in _lowered_step(cfg, "pallas", "pallas", 64)
-  assert "blink_ffw_down" not in _lowered_step(cfg, "pallas", "reference", 1)
+  want = {"blink_prepare_qkv": layers, "blink_paged_decode_attention": layers,
+          "blink_paged_decode_merge": layers, "blink_add_rms_norm": 2 * layers - 1,
+          kernel: layers}
+  if replaces:
+    del want[replaces]
+  assert _lowered_step(cfg, "pallas", "pallas", 1) == want
+  # Larger steps, and steps without the add + norm kernel that sums the partials, do not.
+  assert kernel not in _lowered_step(cfg, "pallas", "pallas", 64)
+  assert kernel not in _lowered_step(cfg, "pallas", "reference", 1)
