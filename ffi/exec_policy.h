@@ -82,11 +82,6 @@ struct HostExec {
   void serial(F f) const {
     f();
   }
-  // The leader alone runs f, with no barrier after it (for its own bookkeeping).
-  template <class F>
-  void lead(F f) const {
-    f();
-  }
   void sync() const {}
   // out[i] = sum of value(j) for j < i; returns the total.
   template <class F>
@@ -126,6 +121,8 @@ struct DeviceExec {
     if (threadIdx.x == 0) f();
     __syncthreads();
   }
+  // Thread 0 alone runs f, with no barrier after it (for its own bookkeeping: the phase
+  // timers, which only the device build keeps).
   template <class F>
   __device__ void lead(F f) const {
     if (threadIdx.x == 0) f();
