@@ -42,7 +42,8 @@ const char* blink_config_check(const int64_t* words) {
   char buf[256];
   buf[0] = 0;
   if (c.num_slots < 1) snprintf(buf, sizeof buf, "num_slots=%lld must be >= 1", (long long)c.num_slots);
-  else if (c.max_seqs < 1) snprintf(buf, sizeof buf, "max_seqs=%lld must be >= 1", (long long)c.max_seqs);
+  else if (c.max_seqs < 1 || c.max_seqs > BLINK_MAX_SEQS)
+    snprintf(buf, sizeof buf, "max_seqs=%lld must be in [1, %d]", (long long)c.max_seqs, BLINK_MAX_SEQS);
   else if (c.page_size < 1) snprintf(buf, sizeof buf, "page_size=%lld must be >= 1", (long long)c.page_size);
   else if (c.ring_capacity < 1) snprintf(buf, sizeof buf, "ring_capacity=%lld must be >= 1", (long long)c.ring_capacity);
   else if (c.num_buckets < 1 || c.num_buckets > BLINK_MAX_BUCKETS)

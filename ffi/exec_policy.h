@@ -93,6 +93,13 @@ struct HostExec {
     }
     return acc;
   }
+  // The leader runs f(sum of value(i) for i < n), wrapping in uint32 (doorbell counts).
+  template <class V, class F>
+  void sum_then_lead(int64_t n, V value, F f) const {
+    uint32_t total = 0;
+    for (int64_t i = 0; i < n; ++i) total += value(i);
+    f(total);
+  }
   static uint64_t now_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(
                std::chrono::steady_clock::now().time_since_epoch())
@@ -162,6 +169,22 @@ struct DeviceExec {
     int32_t total = scratch[nwarps - 1];
     __syncthreads();
     return total;
+  }
+  // A warp-shuffle reduction and one barrier, then thread 0 runs f(total) and a second
+  // barrier: two barriers where a scan followed by a serial phase takes four.
+  template <class V, class F>
+  __device__ void sum_then_lead(int64_t n, V value, F f) const {
+    uint32_t local = 0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) local += value(i);
+    for (int o = 16; o > 0; o >>= 1) local += __shfl_down_sync(0xffffffffu, local, o);
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = int32_t(local);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      uint32_t total = 0;
+      for (int w = 0; w < int(blockDim.x + 31) >> 5; ++w) total += uint32_t(scratch[w]);
+      f(total);
+    }
+    __syncthreads();
   }
   __device__ static uint64_t now_ns() {
     uint64_t t;

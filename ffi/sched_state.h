@@ -9,6 +9,8 @@
 #include "mailbox.h"
 
 #define BLINK_MAX_BUCKETS 8
+// Lanes: the decode pass packs a lane count and a page count into one 32-bit scan.
+#define BLINK_MAX_SEQS 32767
 #define BLINK_MAX_EOS 4
 
 // Passed to the FFI handlers as named attributes (names = field names; see
@@ -67,8 +69,6 @@ enum BlinkScalar {
   S_NUM_SAMPLES,
   S_NUM_ADMITTED,     // lanes admitted this step (awaiting prompt copy)
   S_BLOCKED,          // an older request could not get pages: admit nothing new
-  S_FAST_OK,          // decode fast path may run
-  S_NEED_PAGES,       // pages the decode fast path needs
   S_ANY_FINISH,       // some lane finishes in this commit
   S_IDLE_RETRY,       // idle poll saw new work: run the schedule again
   S_SHUTDOWN,
@@ -78,6 +78,7 @@ enum BlinkScalar {
   S_ANY_PREFILL,      // some lane needs prefill or recompute
   S_DOORBELL_NOW,     // doorbell sum read this step
   S_RESCAN,           // a busy slot was republished: scan again at the next step
+  S_ANY_TARGET,       // some row of this step reports a prompt logprob
   S_NUM_SCALARS = 32
 };
 

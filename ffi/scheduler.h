@@ -287,55 +287,59 @@ struct BlinkSched {
       (void)mark;
 #endif
     };
-    x.serial([&] { counter(C_LOOP_ITERATIONS)++; });
     for (int pass = 0; pass < 2; ++pass) {
       phase_done(-1);
-      begin_pass(x);
+      begin_pass(x, pass == 0);
       if (s(S_SCAN)) scan_slots(x);
       check_lanes(x);
       if (s(S_ANY_FINISH)) release_finished(x);
       phase_done(C_SCHED_POLL_NS);
       decode_pass(x);
       phase_done(C_SCHED_DECODE_NS);
+      // Without admissions (a steady step) the batch header is written in the same phase.
       x.serial([&] {
         if (s(S_ANY_PREFILL)) prefill_pass();
         admit_waiting();
+        if (s(S_NUM_ADMITTED) == 0) finalize_schedule();
       });
-      copy_prompts(x);
-      x.serial([&] { finalize_schedule(); });
+      if (s(S_NUM_ADMITTED) > 0) {
+        copy_prompts(x);
+        x.serial([&] { finalize_schedule(); });
+      }
       phase_done(C_SCHED_ADMIT_NS);
       fill_batch(x);
       x.serial([&] { publish_and_idle(); });
       phase_done(C_SCHED_BATCH_NS);
       const bool retry = s(S_IDLE_RETRY) != 0;
-      x.sync();  // everyone has read the flag before begin_pass rewrites it
       if (!retry) break;
+      x.sync();  // everyone has read the flag before begin_pass rewrites it
     }
   }
 
+  // One round trip to the mailbox per step: every doorbell and the shutdown word are loaded
+  // in parallel (on the GPU each load crosses PCIe), summed, and the leader resets the
+  // step's scalars. Entry MAX_WORKERS is the shutdown word.
   template <class X>
-  BLINK_HD void begin_pass(const X& x) const {
-    x.serial([&] {
-      s(S_NUM_ROWS) = s(S_NUM_DECODE) = s(S_NUM_SAMPLES) = s(S_NUM_ADMITTED) = 0;
-      s(S_BLOCKED) = s(S_ANY_FINISH) = s(S_ANY_PREFILL) = s(S_IDLE_RETRY) = 0;
-      s(S_PROMPT_ROWS) = s(S_NUM_STEP_LANES) = 0;
-    });
-    // One round trip to the mailbox per step: every doorbell and the shutdown word are loaded
-    // in parallel (on the GPU each load crosses PCIe). Entry MAX_WORKERS is the shutdown word.
-    int32_t* a = lscr(0);
-    x.parallel(BLINK_MAX_WORKERS + 1, [&](int64_t w) {
-      a[w] = w < BLINK_MAX_WORKERS
-                 ? int32_t(uint32_t(blink_load_acquire<uint64_t>(&hdr()->doorbell[w])))
-                 : int32_t(blink_load<uint32_t>(&hdr()->shutdown) != 0);
-    });
-    int32_t total = x.exclusive_scan(BLINK_MAX_WORKERS, [&](int64_t w) { return a[w]; },
-                                     lscr(1));
-    x.serial([&] {
-      s(S_SHUTDOWN) = a[BLINK_MAX_WORKERS];
-      s(S_DOORBELL_NOW) = total;
-      s(S_SCAN) = uint32_t(total) != uint32_t(counter(C_DOORBELL_SEEN)) || s(S_RESCAN);
-      counter(C_DOORBELL_SEEN) = uint32_t(total);
-    });
+  BLINK_HD void begin_pass(const X& x, bool first) const {
+    int32_t* shutdown = lscr(0);
+    x.sum_then_lead(
+        BLINK_MAX_WORKERS + 1,
+        [&](int64_t w) -> uint32_t {
+          if (w < BLINK_MAX_WORKERS)
+            return uint32_t(blink_load_acquire<uint64_t>(&hdr()->doorbell[w]));
+          shutdown[0] = int32_t(blink_load<uint32_t>(&hdr()->shutdown) != 0);
+          return 0;
+        },
+        [&](uint32_t total) {
+          if (first) counter(C_LOOP_ITERATIONS)++;
+          s(S_NUM_ROWS) = s(S_NUM_DECODE) = s(S_NUM_SAMPLES) = s(S_NUM_ADMITTED) = 0;
+          s(S_BLOCKED) = s(S_ANY_FINISH) = s(S_ANY_PREFILL) = s(S_IDLE_RETRY) = 0;
+          s(S_PROMPT_ROWS) = s(S_NUM_STEP_LANES) = s(S_ANY_TARGET) = 0;
+          s(S_SHUTDOWN) = shutdown[0];
+          s(S_DOORBELL_NOW) = int32_t(total);
+          s(S_SCAN) = total != uint32_t(counter(C_DOORBELL_SEEN)) || s(S_RESCAN);
+          counter(C_DOORBELL_SEEN) = total;
+        });
   }
 
   // Finds newly submitted slots and queues them in slot order (FCFS from here on).
@@ -398,28 +402,31 @@ struct BlinkSched {
 
   // One row per decode-ready lane. Fast path in parallel when the free pages suffice;
   // otherwise serially in admission order with preemption of the youngest.
+  // One scan numbers both the rows (low 16 bits) and the new pages (high 16 bits): max_seqs
+  // is below 2^15 (blink_config_check).
+  BLINK_HD int32_t decode_need(int64_t l) const {
+    if (!decode_ready(l)) return 0;
+    return 1 | (lane(L_COMPUTED, l) % c.page_size == 0 ? 1 << 16 : 0);
+  }
   template <class X>
   BLINK_HD void decode_pass(const X& x) const {
-    int32_t *ready = lscr(0), *row = lscr(1),
-            *need = lscr(2), *noff = lscr(3);
-    x.parallel(c.max_seqs, [&](int64_t l) {
-      ready[l] = decode_ready(l);
-      need[l] = ready[l] && lane(L_COMPUTED, l) % c.page_size == 0;
-    });
-    int32_t nready = x.exclusive_scan(c.max_seqs, [&](int64_t l) { return ready[l]; }, row);
-    int32_t nneed = x.exclusive_scan(c.max_seqs, [&](int64_t l) { return need[l]; }, noff);
-    x.serial([&] { s(S_FAST_OK) = nneed <= s(S_FREE_COUNT); });
-    if (s(S_FAST_OK)) {
-      int32_t free_top = s(S_FREE_COUNT);
+    int32_t* off = lscr(0);
+    const int32_t total =
+        x.exclusive_scan(c.max_seqs, [&](int64_t l) { return decode_need(l); }, off);
+    const int32_t nready = total & 0xffff, nneed = total >> 16;
+    const int32_t free_top = s(S_FREE_COUNT);  // every thread reads it before anyone writes it
+    if (nneed <= free_top) {
       x.parallel(c.max_seqs, [&](int64_t l) {
-        if (!ready[l]) return;
-        if (need[l]) {
-          pt(l, lane(L_PAGES, l)) = region(lay.free_pages)[free_top - 1 - noff[l]];
+        const int32_t need = decode_need(l);  // lane l's own fields: unchanged so far
+        if (!need) return;
+        const int32_t row = off[l] & 0xffff;
+        if (need >> 16) {
+          pt(l, lane(L_PAGES, l)) = region(lay.free_pages)[free_top - 1 - (off[l] >> 16)];
           lane(L_PAGES, l) += 1;
         }
-        lane(L_ROW, l) = row[l];
+        lane(L_ROW, l) = row;
         lane(L_SCHED_N, l) = 1;
-        lane(L_SAMPLES, l) = row[l] + 1;  // decode rows and samples share indices
+        lane(L_SAMPLES, l) = row + 1;  // decode rows and samples share indices
       });
       x.serial([&] {
         s(S_FREE_COUNT) -= nneed;
@@ -557,13 +564,16 @@ struct BlinkSched {
   BLINK_HD void fill_batch(const X& x) const {
     int32_t *tok = tok_array(BT_TOKENS), *pos = tok_array(BT_POSITIONS),
             *sid = tok_array(BT_SEQ_IDS), *tgt = tok_array(BT_TARGETS);
-    x.parallel(batch[B_BUCKET_SIZE], [&](int64_t r) {
-      tok[r] = 0;
-      pos[r] = 0;
-      sid[r] = -1;
-      tgt[r] = -1;
+    const int64_t rows = batch[B_BUCKET_SIZE];
+    x.parallel(rows > c.max_seqs ? rows : c.max_seqs, [&](int64_t i) {
+      if (i < rows) {
+        tok[i] = 0;
+        pos[i] = 0;
+        sid[i] = -1;
+        tgt[i] = -1;
+      }
+      if (i < c.max_seqs) sample_array(BS_LANES)[i] = -1;
     });
-    x.parallel(c.max_seqs, [&](int64_t i) { sample_array(BS_LANES)[i] = -1; });
     x.parallel(c.max_seqs, [&](int64_t l) {
       int32_t n = lane(L_SCHED_N, l);
       if (n == 0) return;
@@ -573,6 +583,7 @@ struct BlinkSched {
         pos[r0] = c0;
         sid[r0] = int32_t(l);
         tgt[r0] = target_of(l, c0);
+        if (tgt[r0] >= 0) s(S_ANY_TARGET) = 1;  // benign race: every writer stores 1
       }
       int32_t si = lane(L_SAMPLES, l) - 1;
       if (si < 0) return;
@@ -598,6 +609,7 @@ struct BlinkSched {
         pos[r0 + i] = c0 + int32_t(i);
         sid[r0 + i] = l;
         tgt[r0 + i] = target_of(l, c0 + i);
+        if (tgt[r0 + i] >= 0) s(S_ANY_TARGET) = 1;
       });
     }
   }
@@ -769,9 +781,16 @@ struct BlinkSched {
     const float *logprobs = step.logprobs, *top_lps = step.top_lps;
     const int32_t* top_ids = step.top_ids;
     const int64_t top_k_cols = step.top_cols;
-    commit_prompt_logprobs(x, step);
+    if (s(S_ANY_TARGET)) commit_prompt_logprobs(x, step);
+    // One phase for the samples (index i < nsamples) and the lanes' computed prefix (lane
+    // i < max_seqs): they touch different lane fields.
     const int32_t nsamples = batch[B_NUM_SAMPLES];
-    x.parallel(nsamples, [&](int64_t i) {
+    x.parallel(nsamples > c.max_seqs ? nsamples : c.max_seqs, [&](int64_t i) {
+      if (i < c.max_seqs) {  // prefill chunks advance the computed prefix (sampled lanes:
+        lane(L_COMPUTED, i) += lane(L_SCHED_N, i);  // all but the new token)
+        lane(L_SCHED_N, i) = 0;
+      }
+      if (i >= nsamples) return;
       int32_t l = sample_array(BS_LANES)[i];
       if (l < 0) return;
       int32_t t = sampled[i];
@@ -800,11 +819,6 @@ struct BlinkSched {
         lane(L_FINISH, l) = finish;
         s(S_ANY_FINISH) = 1;
       }
-    });
-    // Prefill chunks advance the computed prefix (sampled lanes: all but the new token).
-    x.parallel(c.max_seqs, [&](int64_t l) {
-      lane(L_COMPUTED, l) += lane(L_SCHED_N, l);
-      lane(L_SCHED_N, l) = 0;
     });
     if (s(S_ANY_FINISH)) release_finished(x);
     x.serial([&] {

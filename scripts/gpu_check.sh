@@ -95,9 +95,9 @@ fi
 if has sched; then
   log "scheduler microbenchmark"
   timeout 400 python3 scripts/bench_sched.py --lanes 1,64,256 --slots 4096 --seconds 0.5 \
-    --repeats 3 --interference 32 --mailbox host,device --out bench/results/sched_step_h200.json 2>&1 | grep -v "^[IW]1" \
+    --repeats 3 --interference 32 --mailbox ${SCHED_MAILBOX:-host,device} --out bench/results/sched_step_h200.json 2>&1 | grep -v "^[IW]1" \
     | tail -12 | tee -a "$OUT/log.txt"
-  log "scheduler microbenchmark, fused step (blink_step: one kernel per step)"
+  [[ ${SCHED_FUSED:-1} == 1 ]] && log "scheduler microbenchmark, fused step (blink_step: one kernel per step)" &&
   timeout 300 python3 scripts/bench_sched.py --fused --lanes 1,64,256 --slots 4096 --seconds 0.5 \
     --repeats 3 --out bench/results/sched_step_fused_h200.json 2>&1 | grep -v "^[IW]1" \
     | tail -6 | tee -a "$OUT/log.txt"
