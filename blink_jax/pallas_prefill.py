@@ -27,8 +27,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from blink_jax.attention import MASK_VALUE, apply_softcap
-from blink_jax.pallas_attention import (default_pages_per_block, default_splits, kv_heads,
-                                        merge_splits)
+from blink_jax.pallas_attention import (_TILE_BYTES, default_pages_per_block, default_splits,
+                                        kv_heads, merge_splits)
 
 # Whether "pallas" attention runs this kernel for buckets above pallas_attention.MAX_ROWS.
 ENABLED = os.environ.get("BLINK_PALLAS_PREFILL", "0") == "1"
@@ -36,6 +36,16 @@ ENABLED = os.environ.get("BLINK_PALLAS_PREFILL", "0") == "1"
 # accumulators are 128 registers per thread at 4 warps.
 _TARGET_ROWS = 64
 _LOG2E = math.log2(math.e)
+
+
+def prefill_pages_per_block(kv_pages: jax.Array, head_dim: int, rows: int) -> int:
+  """The decode kernel's pages per step, fewer when a block's float32 scores [rows, keys]
+  would pass _TILE_BYTES: narrow heads get wide K/V tiles, and 64 rows x 512 keys of scores
+  asked 228 KiB of shared memory (more than an H200 SM has)."""
+  page_size = kv_pages.shape[1]
+  score_pages = max(1, _TILE_BYTES // (4 * rows * page_size))
+  fit = min(default_pages_per_block(kv_pages, head_dim), 1 << (score_pages.bit_length() - 1))
+  return max(fit, pl.next_power_of_2(pl.cdiv(16, page_size)))
 
 
 def block_tokens(group: int) -> int:
@@ -141,7 +151,7 @@ def paged_prefill_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.A
   blocks = pl.cdiv(tokens, per_block)
   rows = max(16, pl.next_power_of_2(per_block * group))
   if pages_per_block is None:
-    pages_per_block = default_pages_per_block(kv_pages, head_dim)
+    pages_per_block = prefill_pages_per_block(kv_pages, head_dim, rows)
   max_pages = page_table.shape[1]
   if splits is None:
     splits = default_splits(blocks, num_kv, pl.cdiv(max_pages, pages_per_block))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA handlers, run the GPU tests, run the benchmarks.
-# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|executor|fused|warmup|hlo|dotsr|xlaflags|pallas|norm|ffw|profile|prefill|hostdiag|hostgraph|hf|serving|step|all]...
+# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|schedab|executor|fused|warmup|hlo|dotsr|xlaflags|pallas|norm|ffw|profile|prefill|hostdiag|hostgraph|hf|serving|step|all]...
 # Results: bench/results/*.json (commit them) and copies plus logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -102,6 +102,24 @@ if has sched; then
     --repeats 3 --out bench/results/sched_step_fused_h200.json 2>&1 | grep -v "^[IW]1" \
     | tail -6 | tee -a "$OUT/log.txt"
   cp bench/results/sched_step_h200.json bench/results/sched_step_fused_h200.json "$OUT/" 2>/dev/null
+fi
+if has schedab; then
+  # The scheduler microbenchmark of a baseline's ffi/ sources (SCHED_AB_BASE: a folder of
+  # them, e.g. `git archive REV ffi | tar -x -C ab_base`) against this tree's, alternated in
+  # one call (ratios from the same machine): base, new, base, new.
+  log "scheduler A/B: ${SCHED_AB_BASE:?} vs this tree"
+  cp -r ffi /tmp/ffi_new; n=0
+  for v in base new base new; do
+    rm -rf ffi && cp -r "$([[ $v == base ]] && echo "$SCHED_AB_BASE/ffi" || echo /tmp/ffi_new)" ffi
+    cmake --build build/device >>"$OUT/build.txt" 2>&1 || { tail -20 "$OUT/build.txt"; break; }
+    for f in "" --fused; do
+      n=$((n + 1))  # (not inside the pipeline: its commands run in subshells)
+      timeout 120 python3 scripts/bench_sched.py $f --lanes 1,64,256 --slots 4096 --seconds 0.5 \
+        --repeats 3 --mailbox host --out "$OUT/sched_ab_${v}${f:+_fused}_$n.json" 2>&1 \
+        | grep "^host" | cut -c1-120 | sed "s/^/$v /" | tee -a "$OUT/log.txt"
+    done
+  done
+  rm -rf ffi && cp -r /tmp/ffi_new ffi
 fi
 if has executor; then
   log "executor latency (Gemma 3 1B shape, bf16)"
