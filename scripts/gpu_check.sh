@@ -104,19 +104,20 @@ if has sched; then
   cp bench/results/sched_step_h200.json bench/results/sched_step_fused_h200.json "$OUT/" 2>/dev/null
 fi
 if has schedab; then
-  # The scheduler microbenchmark of a baseline's ffi/ sources (SCHED_AB_BASE: a folder of
-  # them, e.g. `git archive REV ffi | tar -x -C ab_base`) against this tree's, alternated in
-  # one call (ratios from the same machine): base, new, base, new.
-  log "scheduler A/B: ${SCHED_AB_BASE:?} vs this tree"
+  # The scheduler microbenchmark of other ffi/ sources against this tree's, alternated in one
+  # call (ratios from the same machine). SCHED_AB: name=folder pairs run in order, a folder
+  # holding an ffi/ (e.g. `git archive REV ffi | tar -x -C ab_base`; "." is this tree).
+  log "scheduler A/B: ${SCHED_AB:=base=ab_base new=. base=ab_base new=.}"
   cp -r ffi /tmp/ffi_new; n=0
-  for v in base new base new; do
-    rm -rf ffi && cp -r "$([[ $v == base ]] && echo "$SCHED_AB_BASE/ffi" || echo /tmp/ffi_new)" ffi
+  for v in $SCHED_AB; do
+    name=${v%%=*} dir=${v#*=}
+    rm -rf ffi && cp -r "$([[ $dir == . ]] && echo /tmp/ffi_new || echo "$dir/ffi")" ffi
     cmake --build build/device >>"$OUT/build.txt" 2>&1 || { tail -20 "$OUT/build.txt"; break; }
     for f in "" --fused; do
       n=$((n + 1))  # (not inside the pipeline: its commands run in subshells)
       timeout 120 python3 scripts/bench_sched.py $f --lanes 1,64,256 --slots 4096 --seconds 0.5 \
-        --repeats 3 --mailbox host --out "$OUT/sched_ab_${v}${f:+_fused}_$n.json" 2>&1 \
-        | grep "^host" | cut -c1-120 | sed "s/^/$v /" | tee -a "$OUT/log.txt"
+        --repeats 3 --mailbox host --out "$OUT/sched_ab_${name}${f:+_fused}_$n.json" 2>&1 \
+        | grep "^host" | cut -c1-120 | sed "s/^/$name /" | tee -a "$OUT/log.txt"
     done
   done
   rm -rf ffi && cp -r /tmp/ffi_new ffi
