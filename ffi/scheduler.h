@@ -786,8 +786,9 @@ struct BlinkSched {
     // i < max_seqs): they touch different lane fields.
     const int32_t nsamples = batch[B_NUM_SAMPLES];
     x.parallel(nsamples > c.max_seqs ? nsamples : c.max_seqs, [&](int64_t i) {
-      if (i < c.max_seqs) {  // prefill chunks advance the computed prefix (sampled lanes:
-        lane(L_COMPUTED, i) += lane(L_SCHED_N, i);  // all but the new token)
+      if (i < c.max_seqs) {
+        // Prefill chunks advance the computed prefix (sampled lanes: all but the new token).
+        lane(L_COMPUTED, i) += lane(L_SCHED_N, i);
         lane(L_SCHED_N, i) = 0;
       }
       if (i >= nsamples) return;

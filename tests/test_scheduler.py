@@ -185,6 +185,11 @@ def test_config_errors_name_the_value():
     SchedConfig.build(mailbox=1, num_slots=4, max_prompt=8, ring_capacity=4,
                       max_top_logprobs=0, vocab_size=10, max_seqs=8, max_context=16,
                       page_size=4, num_pages=8, buckets=(4,))
+  # The decode pass packs lane and page counts into one 32-bit scan.
+  with pytest.raises(ValueError, match=r"max_seqs=32768 must be in \[1, 32767\]"):
+    SchedConfig.build(mailbox=1, num_slots=4, max_prompt=8, ring_capacity=4,
+                      max_top_logprobs=0, vocab_size=10, max_seqs=32768, max_context=16,
+                      page_size=4, num_pages=8, buckets=(32768,))
 
 
 # ---------------- property tests ----------------
