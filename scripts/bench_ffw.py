@@ -7,7 +7,7 @@ Each timed device loop chains `copies` layers with their own weights (more than 
 cache holds, as the model's 26 layers do), so the weights stream from HBM as in a step.
 
   python scripts/bench_ffw.py --config gemma3-1b --tokens 1,8 \
-      --variants xla,16:128:64,16:128:64:loop
+      --variants xla,gemv,16:128:64,16:128:64:loop
 """
 from __future__ import annotations
 
@@ -27,10 +27,11 @@ from scripts import bench_common as C
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "gemma3-1b", "model config name, or 'tiny'")
 flags.DEFINE_list("tokens", ["1", "8"], "rows per call (decode batch)")
-flags.DEFINE_list("variants", ["xla", "16:128:64", "16:128:64:loop", "32:128:64", "16:64:64",
-                               "8:128:128"],
-                  "'xla', or splits:block_n:block_k[:loop] of the fused kernel (loop: its "
-                  "blocks in a loop instead of unrolled)")
+flags.DEFINE_list("variants", ["xla", "gemv", "16:128:64", "16:128:64:loop", "32:128:64",
+                               "32:256:64", "64:128:64", "16:64:64", "8:128:128"],
+                  "'xla', 'gemv' (XLA's down GEMM alone, no GELU or add + norm), or "
+                  "splits:block_n:block_k[:loop] of the fused kernel (loop: its blocks in a "
+                  "loop instead of unrolled)")
 flags.DEFINE_integer("copies", 8, "layers (weight copies) chained per loop iteration")
 flags.DEFINE_integer("iters", 200, "loop iterations per timed loop")
 flags.DEFINE_integer("repeats", 5, "timed loops per point (median and spread reported)")
@@ -59,12 +60,17 @@ def layer_loop(variant: str, tokens: int, cfg, dtype):
   gate_up = jnp.asarray(rng.standard_normal((tokens, 2 * f)), dtype)
   x = jnp.asarray(rng.standard_normal((tokens, d)), dtype)
   w = jnp.asarray(rng.standard_normal(d) * 0.1, dtype)
-  project = down_fn(variant)
+  if variant == "gemv":  # the down GEMM alone (no GELU x up, no add + norm): XLA's GEMV
+    step = lambda x, gate_up, down: (x + gate_up[:, :f] @ down,) * 2
+  else:
+    project = down_fn(variant)
+    step = lambda x, gate_up, down: pallas_norm.add_rms_norm(x, project(gate_up, down), w, w,
+                                                             1e-6)
 
   def body(_, carry):
     x, gate_up = carry
     for down in downs:
-      x, y = pallas_norm.add_rms_norm(x, project(gate_up, down), w, w, 1e-6)
+      x, y = step(x, gate_up, down)
       # the next layer's input depends on this one's output (no reordering, no overlap)
       gate_up = gate_up.at[:, 0].add(y[:, 0] * 1e-3)
     return x, gate_up
@@ -81,7 +87,10 @@ def measure(variant: str, tokens: int, cfg, dtype) -> dict:
     t = time.perf_counter()
     jax.block_until_ready(loop(*args))
     per_call.append((time.perf_counter() - t) / (FLAGS.iters * FLAGS.copies) * 1e6)
-  return {"variant": variant, "tokens": tokens, **C.stats(per_call, "us_per_layer")}
+  row = {"variant": variant, "tokens": tokens, **C.stats(per_call, "us_per_layer")}
+  # The down projection's weight bytes per layer over the time: its effective bandwidth.
+  row["weight_gbps"] = cfg.ffw_hidden * cfg.d_model * 2 / row["us_per_layer_median"] / 1e3
+  return row
 
 
 def main(argv):
@@ -103,7 +112,7 @@ def main(argv):
     if base and "us_per_layer_median" in r and "us_per_layer_median" in base:
       r["ratio_to_xla"] = r["us_per_layer_median"] / base["us_per_layer_median"]
   print(C.table(rows, ["variant", "tokens", "us_per_layer_median", "us_per_layer_min",
-                       "us_per_layer_max", "ratio_to_xla", "error"]))
+                       "us_per_layer_max", "ratio_to_xla", "weight_gbps", "error"]))
   C.write_result(FLAGS.out, "ffw_kernel", rows,
                  {"config": FLAGS.config, "copies": FLAGS.copies, "iters": FLAGS.iters})
 
