@@ -28,7 +28,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "gemma3-1b", "model config name, or 'tiny'")
 flags.DEFINE_list("tokens", ["1", "8"], "rows per call (decode batch)")
 flags.DEFINE_list("variants", ["xla", "gemv", "16:128:64", "16:128:64:loop", "32:128:64",
-                               "32:256:64", "64:128:64", "16:64:64", "8:128:128"],
+                               "32:64:64", "64:128:64", "16:64:64", "8:128:128"],
                   "'xla', 'gemv' (XLA's down GEMM alone, no GELU or add + norm), or "
                   "splits:block_n:block_k[:loop] of the fused kernel (loop: its blocks in a "
                   "loop instead of unrolled)")
