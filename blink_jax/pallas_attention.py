@@ -38,7 +38,7 @@ _MIN_ROWS = 16
 # Bytes of one K (or V) tile: 64 keys of a 256-wide bf16 head (32 keys in f32), so a K and a
 # V tile per pipeline stage fit the SM's shared memory (f32 at 64 keys asked 257 KiB of the
 # H200's 227).
-_TILE_BYTES = 32 * 1024
+TILE_BYTES = 32 * 1024
 # Programs the default split count aims at: about two per SM of an H200 (132 SMs), so a
 # batch-1 step spreads one token's context over 32 programs instead of a handful.
 _TARGET_PROGRAMS = 256
@@ -163,7 +163,7 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
   heads per KV head (`pallas_norm.prepare_qkv` writes it so): no padding kernel then.
 
   pages_per_block: pages per inner step (x page_size keys per dot; a power of two; default:
-  tiles of at most _TILE_BYTES, at least 16 keys); splits: programs that share one token's
+  tiles of at most TILE_BYTES, at least 16 keys); splits: programs that share one token's
   context (a power of two; default `default_splits`: 32 at batch 1, so a 1k-token context
   of 16-token pages is one 4-page block for each of 16 programs). merged=False returns the
   splits' partial softmaxes (o [S, T, K, R, h], m, l [S, T, K, R]; R = query_rows(G)) for a
@@ -285,8 +285,8 @@ def kv_heads(num_heads: int, head_dim: int, kv_width: int) -> int:
 
 
 def default_pages_per_block(kv_pages: jax.Array, head_dim: int) -> int:
-  """Pages per inner step: K and V tiles of at most _TILE_BYTES each, at least 16 keys (the
+  """Pages per inner step: K and V tiles of at most TILE_BYTES each, at least 16 keys (the
   smallest Triton dot)."""
   page_size = kv_pages.shape[1]
-  tile_pages = _TILE_BYTES // (kv_pages.dtype.itemsize * head_dim * page_size)
+  tile_pages = TILE_BYTES // (kv_pages.dtype.itemsize * head_dim * page_size)
   return pl.next_power_of_2(max(1, tile_pages, pl.cdiv(16, page_size)))

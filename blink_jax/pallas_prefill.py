@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from blink_jax.attention import MASK_VALUE, apply_softcap
-from blink_jax.pallas_attention import (_TILE_BYTES, default_pages_per_block, default_splits,
+from blink_jax.pallas_attention import (TILE_BYTES, default_pages_per_block, default_splits,
                                         kv_heads, merge_splits)
 
 # Whether "pallas" attention runs this kernel for buckets above pallas_attention.MAX_ROWS.
@@ -40,10 +40,10 @@ _LOG2E = math.log2(math.e)
 
 def prefill_pages_per_block(kv_pages: jax.Array, head_dim: int, rows: int) -> int:
   """The decode kernel's pages per step, fewer when a block's float32 scores [rows, keys]
-  would pass _TILE_BYTES: narrow heads get wide K/V tiles, and 64 rows x 512 keys of scores
+  would pass TILE_BYTES: narrow heads get wide K/V tiles, and 64 rows x 512 keys of scores
   asked 228 KiB of shared memory (more than an H200 SM has)."""
   page_size = kv_pages.shape[1]
-  score_pages = max(1, _TILE_BYTES // (4 * rows * page_size))
+  score_pages = max(1, TILE_BYTES // (4 * rows * page_size))
   fit = min(default_pages_per_block(kv_pages, head_dim), 1 << (score_pages.bit_length() - 1))
   return max(fit, pl.next_power_of_2(pl.cdiv(16, page_size)))
 
