@@ -6,9 +6,13 @@ scheduler's schedule+commit and an empty loop iteration.
 Steps run N times inside one device `lax.fori_loop` (no host in the timing); random weights.
 
   python scripts/bench_step.py --config gemma3-1b --batches 1,8,64,256 --prefill 128,1024,4096
+
+Per-kernel time of a decode step: --profile DIR traces single steps (kernels inside a device
+loop are not traced), then `scripts/kernel_profile.py --trace DIR/decode_b1 --iterations 20`.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import jax
@@ -37,6 +41,11 @@ flags.DEFINE_enum("norm", "auto", config.KERNEL_KINDS,
                   "norm kernels: add + RMSNorm pairs, q/k norm + RoPE")
 flags.DEFINE_bool("scheduler", True, "also time schedule+commit and an empty loop iteration")
 flags.DEFINE_string("out", "bench/results/step.json", "JSON result file")
+flags.DEFINE_string("profile", None, "also trace profile_steps single decode steps per batch "
+                    "into DIR/decode_b<batch> (jax.profiler; scripts/kernel_profile.py reads it)")
+flags.DEFINE_integer("profile_steps", 20, "traced steps per batch with --profile")
+flags.DEFINE_bool("command_buffers", True, "run steps as CUDA graphs (XLA command buffers); "
+                  "--nocommand_buffers launches each kernel on its own")
 flags.DEFINE_integer("copy_elems", 1 << 31, "bf16 elements of the bandwidth probe")
 flags.DEFINE_integer("matmul_n", 8192, "size of the matmul-rate probe")
 
@@ -67,8 +76,9 @@ def matmul_rate() -> float:
   return 10 * 2 * FLAGS.matmul_n ** 3 / t
 
 
-def step_loop(model, n_tokens: int, n_seqs: int, steps: int):
-  """A jitted loop of `steps` model steps over n_tokens rows of n_seqs sequences."""
+def step_fns(model, n_tokens: int, n_seqs: int, steps: int):
+  """A jitted loop of `steps` model steps over n_tokens rows of n_seqs sequences, one jitted
+  step (for profiles: kernels inside a device loop are not traced), and the weights."""
   graphdef, params = nnx.split(model)
 
   platform = jax.devices()[0].platform  # the executor's choices for this bucket
@@ -90,7 +100,7 @@ def step_loop(model, n_tokens: int, n_seqs: int, steps: int):
       return kv, tokens.at[:n_seqs].set(nxt) if n_tokens == n_seqs else tokens
     return lax.fori_loop(0, steps, body, (kv, tokens))
 
-  return jax.jit(run, donate_argnums=(1,)), params
+  return jax.jit(run, donate_argnums=(1,)), jax.jit(one, donate_argnums=(1,)), params
 
 
 def measure_step(model, cfg, kind: str, n_seqs: int, length: int, steps: int, repeats: int,
@@ -109,7 +119,7 @@ def measure_step(model, cfg, kind: str, n_seqs: int, length: int, steps: int, re
     positions = jnp.arange(length, dtype=jnp.int32)
     seq_ids = jnp.zeros((length,), jnp.int32)
   tokens = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, n_tokens), jnp.int32)
-  fn, params = step_loop(model, n_tokens, n_seqs, steps)
+  fn, one, params = step_fns(model, n_tokens, n_seqs, steps)
   kv_state = {"kv": kv}
 
   def call():
@@ -117,6 +127,14 @@ def measure_step(model, cfg, kind: str, n_seqs: int, length: int, steps: int, re
     return kv_state["kv"]
 
   per = [t / steps for t in timed(lambda: call(), repeats=repeats)]
+  if FLAGS.profile and kind == "decode":
+    # One step per call, traced (scripts/kernel_profile.py --iterations profile_steps).
+    kv_state["kv"], _ = jax.block_until_ready(one(params, kv_state["kv"], tokens, positions,
+                                                  seq_ids, pt))  # compiled before the trace
+    with jax.profiler.trace(f"{FLAGS.profile}/decode_b{n_seqs}", create_perfetto_trace=True):
+      for _ in range(FLAGS.profile_steps):
+        kv_state["kv"], _ = one(params, kv_state["kv"], tokens, positions, seq_ids, pt)
+      jax.block_until_ready(kv_state["kv"])
   weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
   embed_bytes = model.embed[...].nbytes
   kv_row_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(model.dtype).itemsize
@@ -138,7 +156,11 @@ def measure_step(model, cfg, kind: str, n_seqs: int, length: int, steps: int, re
 
 def main(argv):
   del argv
-  xla_flags.configure_command_buffers()
+  if FLAGS.command_buffers:
+    xla_flags.configure_command_buffers()
+  else:
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
+                                        "--xla_gpu_enable_command_buffer="]).strip()
   from blink_jax.config import get_config, tiny_config
   from blink_jax.model import Gemma
   cfg = tiny_config("gemma3") if FLAGS.config == "tiny" else get_config(FLAGS.config)

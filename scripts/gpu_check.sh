@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA handlers, run the GPU tests, run the benchmarks.
-# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|schedab|executor|fused|warmup|hlo|dotsr|xlaflags|pallas|norm|ffw|profile|prefill|hostdiag|hostgraph|hf|serving|step|all]...
+# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|schedab|executor|fused|warmup|hlo|dotsr|xlaflags|pallas|norm|ffw|profile|stepprofile|prefill|hostdiag|hostgraph|hf|serving|step|all]...
 # Results: bench/results/*.json (commit them) and copies plus logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -209,6 +209,19 @@ if has profile; then
     cp bench/results/kernel_profile_b${b}_h200.json "$OUT/" 2>/dev/null
     find /tmp/blink_profile/persistent_b$b -name perfetto_trace.json.gz \
       -exec cp {} "$OUT/perfetto_b$b.json.gz" \;
+  done
+fi
+if has stepprofile; then
+  log "per-kernel time of the bare decode step (single steps traced; kernels launched one by one)"
+  for b in ${PROFILE_BATCHES:-1 64}; do
+    rm -rf /tmp/step_profile
+    timeout 200 python3 scripts/bench_step.py --config gemma3-1b --batches $b --prefill "" \
+      --noscheduler --nocommand_buffers --profile /tmp/step_profile --profile_steps 20 \
+      --out "$OUT/step_profiled_b$b.json" 2>&1 | grep -v "^[IW]1" | tail -1 | tee -a "$OUT/log.txt"
+    python3 scripts/kernel_profile.py --trace /tmp/step_profile/decode_b$b --iterations 20 \
+      --top 40 --out bench/results/step_kernels_b${b}_h200.json 2>&1 | grep -v "^[IW]1" \
+      | head -60 | tee -a "$OUT/log.txt"
+    cp bench/results/step_kernels_b${b}_h200.json "$OUT/" 2>/dev/null
   done
 fi
 if has prefill; then

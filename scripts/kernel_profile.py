@@ -25,6 +25,8 @@ from scripts import bench_common as C
 flags.DEFINE_string("trace", None, "perfetto_trace.json.gz, or a directory holding one")
 flags.DEFINE_string("out", None, "JSON result file (default: print only)")
 flags.DEFINE_integer("top", 15, "kernels listed by name")
+flags.DEFINE_integer("iterations", None, "iterations the trace holds (default: counted by the "
+                     "scheduler's kernels; give it for traces of bare steps)")
 FLAGS = flags.FLAGS
 
 # (kind, pattern) in order: names of the kernels XLA, Pallas and ffi/ launch.
@@ -60,11 +62,14 @@ def gpu_kernels(trace: dict) -> list[tuple[str, float, float]]:
           if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
 
 
-def summarize(kernels: list[tuple[str, float, float]], top: int = 15) -> dict:
-  """Per kind and per (top) name: launches and microseconds per loop iteration."""
+def summarize(kernels: list[tuple[str, float, float]], top: int = 15,
+              iterations: int | None = None) -> dict:
+  """Per kind and per (top) name: launches and microseconds per loop iteration (iterations:
+  how many the trace holds; default: counted by the scheduler's kernels)."""
   if not kernels:
     raise ValueError("the trace has no GPU kernels (was it taken on a GPU, with CUPTI?)")
-  iterations = sum(1 for name, _, _ in kernels if ITERATION_KERNEL.search(name)) or 1
+  if iterations is None:
+    iterations = sum(1 for name, _, _ in kernels if ITERATION_KERNEL.search(name)) or 1
   by_kind, by_name = collections.defaultdict(list), collections.defaultdict(list)
   for name, _, dur in kernels:
     by_kind[kind_of(name)].append(dur)
@@ -102,7 +107,7 @@ def main(argv):
   del argv
   path = find_trace(FLAGS.trace)
   with gzip.open(path, "rt") as f:
-    summary = summarize(gpu_kernels(json.load(f)), FLAGS.top)
+    summary = summarize(gpu_kernels(json.load(f)), FLAGS.top, FLAGS.iterations)
   print(f"{summary['iterations']} loop iterations, {summary['launches_per_iteration']:.1f} "
         f"kernels and {summary['busy_us_per_iteration']:.1f} us of kernel time per iteration "
         f"in a span of {summary['span_us_per_iteration']:.1f} us")

@@ -50,3 +50,12 @@ def test_a_trace_without_gpu_kernels_is_an_error(tmp_path):
       K.summarize(K.gpu_kernels(json.load(f)))
   with pytest.raises(FileNotFoundError):
     K.find_trace(str(tmp_path / "missing"))
+
+
+def test_iterations_given_for_traces_of_bare_steps():
+  # A bare model step has no scheduler kernel to count iterations by.
+  kernels = [("gemm_fusion_dot", 10.0 * i, 4.0) for i in range(6)]
+  summary = K.summarize(K.gpu_kernels(_trace(kernels)), iterations=3)
+  assert summary["iterations"] == 3
+  assert summary["launches_per_iteration"] == 2
+  assert summary["busy_us_per_iteration"] == pytest.approx(8.0)
