@@ -202,7 +202,8 @@ def geometry_offsets(geo, slot: int) -> list[int]:
 
 @functools.cache
 def register_targets() -> tuple[str, ...]:
-  """Registers blink_schedule / blink_commit / blink_step with XLA for every platform we have handlers for."""
+  """Registers blink_schedule / blink_commit / blink_step with XLA for every platform we have
+  handlers for, and on CUDA blink_gemv (`cuda_gemv`)."""
   import jax  # the protocol and the C API above need no JAX; the FFI targets do
 
   platforms = ["cpu"]
@@ -222,6 +223,8 @@ def register_targets() -> tuple[str, ...]:
                                   platform="CUDA")
       jax.ffi.register_ffi_target("blink_step", jax.ffi.pycapsule(cuda.BlinkStepCuda),
                                   platform="CUDA")
+      jax.ffi.register_ffi_target("blink_gemv", jax.ffi.pycapsule(cuda.BlinkGemvCuda),
+                                  platform="CUDA")  # blink_jax/cuda_gemv.py
       platforms.append("cuda")
     except Exception:  # no CUDA plugin in this jax: CPU only
       pass

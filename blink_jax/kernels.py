@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import functools
 
-from blink_jax import pallas_attention, pallas_ffw, pallas_norm, pallas_out, pallas_prefill
+from blink_jax import (cuda_gemv, pallas_attention, pallas_ffw, pallas_norm, pallas_out,
+                       pallas_prefill)
 from blink_jax.model import add_rms_norm
 
 
@@ -13,7 +14,8 @@ def experimental_kernels() -> list[str]:
   """The kernels switched on by environment variables (not yet measured on a GPU)."""
   return [name for name, on in (("BLINK_PALLAS_PREFILL", pallas_prefill.ENABLED),
                                 ("BLINK_PALLAS_FFW", pallas_ffw.ENABLED),
-                                ("BLINK_PALLAS_OUT", pallas_out.ENABLED)) if on]
+                                ("BLINK_PALLAS_OUT", pallas_out.ENABLED),
+                                ("BLINK_CUDA_GEMV", cuda_gemv.ENABLED)) if on]
 
 
 def step_kernels(cfg, attention: str, norm: str, rows: int, *, interpret: bool) -> dict:
@@ -21,10 +23,11 @@ def step_kernels(cfg, attention: str, norm: str, rows: int, *, interpret: bool) 
   kinds (`config.resolve_kernel`). A Pallas kernel is compiled by Triton on the GPU and run
   by Pallas' interpreter elsewhere (interpret: the engine's device decides, so a CPU engine
   on a GPU machine interprets). With both kinds "pallas" the q/k kernel hands the attention
-  its query grouped by KV head and padded; with norm "pallas" and BLINK_PALLAS_FFW=1, steps
-  of up to `pallas_ffw.MAX_TOKENS` tokens run the fused down projection, and with both
-  "pallas" and BLINK_PALLAS_OUT=1 small steps merge the attention's splits inside the
-  output projection (`pallas_out`)."""
+  its query grouped by KV head and padded; BLINK_CUDA_GEMV=1 runs the gate/up projection
+  of steps of up to 8 tokens as the CUDA GEMV (`cuda_gemv`), and with norm "pallas" their
+  down projection too (or, with BLINK_PALLAS_FFW=1, as the fused Pallas down projection,
+  `pallas_ffw`); with both "pallas" and BLINK_PALLAS_OUT=1 small steps merge the
+  attention's splits inside the output projection (`pallas_out`)."""
   attention_fn = pallas_attention.select(attention, rows, interpret=interpret)
   group = cfg.num_heads // cfg.num_kv_heads
   grouped = norm == "pallas" and pallas_attention.uses_kernel(attention, rows)
@@ -37,13 +40,18 @@ def step_kernels(cfg, attention: str, norm: str, rows: int, *, interpret: bool) 
   # The fused down projection and the merge + output projection hand partial sums to the
   # add + norm kernel, which adds them up.
   sums_partials = norm == "pallas" and add_norm_fn is not add_rms_norm
-  ffw_down_fn = out_fn = None
-  if sums_partials and pallas_ffw.ENABLED and pallas_ffw.usable(rows, cfg.ffw_hidden,
-                                                                cfg.d_model):
+  ffw_down_fn = out_fn = gate_up_fn = None
+  if cuda_gemv.ENABLED and cuda_gemv.usable(rows, cfg.d_model, 2 * cfg.ffw_hidden):
+    gate_up_fn = functools.partial(cuda_gemv.matmul, use_kernel=not interpret)
+  if sums_partials and cuda_gemv.ENABLED and cuda_gemv.usable(rows, cfg.ffw_hidden,
+                                                              cfg.d_model):
+    ffw_down_fn = functools.partial(cuda_gemv.ffw_down, use_kernel=not interpret)
+  elif sums_partials and pallas_ffw.ENABLED and pallas_ffw.usable(rows, cfg.ffw_hidden,
+                                                                  cfg.d_model):
     ffw_down_fn = functools.partial(pallas_ffw.ffw_down, interpret=interpret)
   if (sums_partials and grouped and pallas_out.ENABLED
       and pallas_out.usable(rows, cfg.num_heads, cfg.head_dim, cfg.d_model)):
     attention_fn = functools.partial(attention_fn, merged=False)
     out_fn = functools.partial(pallas_out.merge_out_project, group=group, interpret=interpret)
   return dict(attention_fn=attention_fn, prepare_fn=prepare_fn, add_norm_fn=add_norm_fn,
-              ffw_down_fn=ffw_down_fn, out_fn=out_fn)
+              ffw_down_fn=ffw_down_fn, out_fn=out_fn, gate_up_fn=gate_up_fn)

@@ -33,6 +33,7 @@ AttentionFn = Callable[..., jax.Array]  # the signature of paged_attention_refer
 AddNormFn = Callable[..., tuple[jax.Array, jax.Array]]  # the signature of add_rms_norm
 FfwDownFn = Callable[..., jax.Array]  # the signature of MLP.down_project (without self)
 OutFn = Callable[..., jax.Array]  # (attention output, o weights [H, h, D], dtype) -> branch
+MatmulFn = Callable[[jax.Array, jax.Array], jax.Array]  # (x [T, K], w [K, N]) -> x @ w
 PrepareFn = Callable[..., tuple[jax.Array, jax.Array]]  # the signature of prepare_qkv
 
 
@@ -204,12 +205,13 @@ class MLP(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.down_project(self.gate_up(x), self.down[...])
 
-  def gate_up(self, x: jax.Array, fused: jax.Array | None = None) -> jax.Array:
+  def gate_up(self, x: jax.Array, fused: jax.Array | None = None,
+              matmul_fn: MatmulFn | None = None) -> jax.Array:
     """x [..., D] -> the fused gate/up projection [..., 2F] (gate, then up): one matmul over
     the concatenated weights (`fused`, from `gate_up_weight`, as for `Attention.project`),
-    so a kernel can take it in place."""
-    w = self.gate_up_weight() if fused is None else fused
-    return x @ w.astype(x.dtype)
+    so a kernel can take it in place. matmul_fn: that matmul (default `@`)."""
+    w = (self.gate_up_weight() if fused is None else fused).astype(x.dtype)
+    return x @ w if matmul_fn is None else matmul_fn(x, w)
 
   def gate_up_weight(self) -> jax.Array:
     """The gate and up weights side by side, [D, 2F]."""
@@ -238,17 +240,19 @@ class Block(nnx.Module):
 
   def ffw(self, x: jax.Array, attn: Any, add_norm: AddNormFn,
           down_fn: FfwDownFn | None = None, gate_up: jax.Array | None = None,
-          out_fn: OutFn | None = None) -> tuple[jax.Array, jax.Array]:
+          out_fn: OutFn | None = None,
+          gate_up_fn: MatmulFn | None = None) -> tuple[jax.Array, jax.Array]:
     """Residual stream and attention output [..., H, h] -> the residual stream after the
     attention and the MLP's output (before its post-FFW norm and add; `down_fn` may hand it
     as partial sums, see `add_rms_norm`). gate_up: `MLP.gate_up_weight`, if made already.
     out_fn: projects the attention's output (in whatever form the attention function left
-    it) instead of `Attention.out`, maybe as partial sums."""
+    it) instead of `Attention.out`, maybe as partial sums. gate_up_fn: the gate/up
+    projection's matmul (`MLP.gate_up`)."""
     branch = (self.attn.out(attn) if out_fn is None
               else out_fn(attn, self.attn.o[...], x.dtype))
     x, y = add_norm(x, branch, self.post_attn_norm[...], self.pre_ffw_norm[...], self.eps)
     down_fn = MLP.down_project if down_fn is None else down_fn
-    return x, down_fn(self.mlp.gate_up(y, gate_up), self.mlp.down[...])
+    return x, down_fn(self.mlp.gate_up(y, gate_up, gate_up_fn), self.mlp.down[...])
 
   def fused_weights(self) -> tuple[jax.Array, jax.Array]:
     """(`Attention.qkv_weight`, `MLP.gate_up_weight`): what `Gemma.forward` takes as
@@ -316,7 +320,8 @@ class Gemma(nnx.Module):
               prepare_fn: PrepareFn | None = None,
               ffw_down_fn: FfwDownFn | None = None,
               out_fn: OutFn | None = None,
-              fused: Sequence[tuple[jax.Array, jax.Array]] | None = None
+              fused: Sequence[tuple[jax.Array, jax.Array]] | None = None,
+              gate_up_fn: MatmulFn | None = None
               ) -> tuple[jax.Array, KVCache]:
     """One ragged paged step (docs/CONTRACTS.md): tokens/positions/seq_ids [T] int32,
     page_table [S, max_pages]. Every token writes its K/V, then attends to its sequence.
@@ -330,7 +335,9 @@ class Gemma(nnx.Module):
     (`pallas_norm.prepare_qkv` can hand the Pallas attention its query already grouped and
     padded), on the MLP output's (`pallas_ffw.ffw_down` hands partial sums to the add +
     norm) and on the attention output's (`out_fn`, default `Attention.out`:
-    `pallas_out.merge_out_project` takes the attention's unmerged splits). fused: each layer's `Block.fused_weights`, made once by the caller (the executor
+    `pallas_out.merge_out_project` takes the attention's unmerged splits); `gate_up_fn`
+    runs the gate/up projection's matmul (`cuda_gemv.matmul` for small GPU steps). fused:
+    each layer's `Block.fused_weights`, made once by the caller (the executor
     does, so no step concatenates weights; without them every step does, which inside the
     serving loop XLA hoists but a host-driven step cannot).
     """
@@ -353,7 +360,7 @@ class Gemma(nnx.Module):
       new_cache.append(kv_pages)
       return attention_fn(q, kv_pages, page_table, seq_ids, positions, **attn.attention_kwargs())
     x = self._run_layers(self.embed_tokens(tokens), attend, add_norm_fn, ffw_down_fn,
-                         None if fused is None else [f[1] for f in fused], out_fn)
+                         None if fused is None else [f[1] for f in fused], out_fn, gate_up_fn)
     return x, new_cache
 
   def fused_weights(self) -> list[tuple[jax.Array, jax.Array]]:
@@ -363,7 +370,8 @@ class Gemma(nnx.Module):
   def _run_layers(self, x: jax.Array, attend: Callable[..., jax.Array],
                   add_norm: AddNormFn | None, down_fn: FfwDownFn | None = None,
                   gate_ups: Sequence[jax.Array] | None = None,
-                  out_fn: OutFn | None = None) -> jax.Array:
+                  out_fn: OutFn | None = None,
+                  gate_up_fn: MatmulFn | None = None) -> jax.Array:
     """The decoder stack over embedded tokens x [..., D]; attend(i, layer, y) -> the
     attention output of layer i for its normed input y. Returns the final residual stream
     (before the final norm)."""
@@ -373,7 +381,7 @@ class Gemma(nnx.Module):
     y = rms_norm(x, layers[0].pre_attn_norm[...], eps)
     for i, layer in enumerate(layers):
       x, h = layer.ffw(x, attend(i, layer, y), add_norm, down_fn,
-                       None if gate_ups is None else gate_ups[i], out_fn)
+                       None if gate_ups is None else gate_ups[i], out_fn, gate_up_fn)
       if i + 1 < len(layers):
         x, y = add_norm(x, h, layer.post_ffw_norm[...], layers[i + 1].pre_attn_norm[...], eps)
       else:

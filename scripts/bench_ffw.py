@@ -1,7 +1,7 @@
 """The MLP's down projection + the residual add + RMSNorm after it, per call: XLA (GELU x up,
 split-K GEMM, reduce; then the Pallas add + norm kernel) against the fused Pallas down
 projection (`pallas_ffw.ffw_down`, partial sums added up by the add + norm kernel) with
-several splits and block sizes.
+several splits and block sizes, and against the CUDA GEMV (`cuda_gemv.ffw_down`).
 
 Each timed device loop chains `copies` layers with their own weights (more than the L2
 cache holds, as the model's 26 layers do), so the weights stream from HBM as in a step.
@@ -19,7 +19,7 @@ import numpy as np
 from absl import app, flags
 from jax import lax
 
-from blink_jax import pallas_ffw, pallas_norm, xla_flags
+from blink_jax import cuda_gemv, pallas_ffw, pallas_norm, xla_flags
 from blink_jax.config import get_config, tiny_config
 from blink_jax.model import MLP
 from scripts import bench_common as C
@@ -27,9 +27,10 @@ from scripts import bench_common as C
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "gemma3-1b", "model config name, or 'tiny'")
 flags.DEFINE_list("tokens", ["1", "8"], "rows per call (decode batch)")
-flags.DEFINE_list("variants", ["xla", "gemv", "16:128:64", "16:128:64:loop", "32:128:64",
-                               "32:64:64", "64:128:64", "16:64:64", "8:128:128"],
-                  "'xla', 'gemv' (XLA's down GEMM alone, no GELU or add + norm), or "
+flags.DEFINE_list("variants", ["xla", "gemv", "cuda", "cuda:8", "cuda:32", "16:128:64",
+                               "32:128:64", "32:64:64", "64:128:64"],
+                  "'xla', 'gemv' (XLA's down GEMM alone, no GELU or add + norm), "
+                  "'cuda[:splits]' (ffi/gemv_cuda.cu, blink_jax/cuda_gemv.py), or "
                   "splits:block_n:block_k[:loop] of the fused kernel (loop: its blocks in a "
                   "loop instead of unrolled)")
 flags.DEFINE_integer("copies", 8, "layers (weight copies) chained per loop iteration")
@@ -43,6 +44,10 @@ def down_fn(variant: str):
   if variant == "xla":
     return MLP.down_project
   parts = variant.split(":")
+  if parts[0] == "cuda":  # ffi/gemv_cuda.cu, cuda[:splits]
+    splits = int(parts[1]) if len(parts) > 1 else None
+    return lambda gate_up, down: cuda_gemv.ffw_down(gate_up, down, splits=splits,
+                                                    use_kernel=True)
   splits, block_n, block_k = (int(v) for v in parts[:3])
   unroll = parts[3:] != ["loop"]
   return lambda gate_up, down: pallas_ffw.ffw_down(gate_up, down, splits=splits,

@@ -55,7 +55,7 @@ fi
 
 if has tests; then
   log "gpu tests"
-  timeout ${TESTS_TIMEOUT:-500} python3 -m pytest -m gpu ${GPU_TESTS:-tests/test_scheduler_backends.py tests/test_engine_gpu.py tests/test_device_region.py tests/test_pallas_attention.py tests/test_pallas_norm.py tests/test_pallas_prefill.py tests/test_pallas_ffw.py tests/test_pallas_out.py} \
+  timeout ${TESTS_TIMEOUT:-500} python3 -m pytest -m gpu ${GPU_TESTS:-tests/test_scheduler_backends.py tests/test_engine_gpu.py tests/test_device_region.py tests/test_pallas_attention.py tests/test_pallas_norm.py tests/test_pallas_prefill.py tests/test_pallas_ffw.py tests/test_pallas_out.py tests/test_cuda_gemv.py} \
     -q -s -p no:cacheprovider 2>&1 | tail -40 | tee -a "$OUT/log.txt"
 fi
 if has diag; then
@@ -186,16 +186,17 @@ if has ffw; then
   log "fused down projection (BLINK_PALLAS_FFW=1) and merge + output projection (BLINK_PALLAS_OUT=1) vs XLA's"
   # Per layer first (splits:block_n:block_k variants; pick the best with BLINK_PALLAS_FFW_*),
   # then kernels per branch and the engine's per-token latency with the defaults.
-  timeout 200 python3 scripts/bench_ffw.py --config gemma3-1b --tokens 1,8 \
+  timeout 300 python3 scripts/bench_ffw.py --config gemma3-1b --tokens 1,8 \
     ${FFW_VARIANTS:+--variants $FFW_VARIANTS} --out bench/results/ffw_kernel_h200.json 2>&1 \
     | grep -v "^[IW]1" | tail -12 | tee -a "$OUT/log.txt"
   cp bench/results/ffw_kernel_h200.json "$OUT/" 2>/dev/null
   BLINK_PALLAS_FFW=1 BLINK_PALLAS_OUT=1 dump_hlo ffw_out
-  # name:BLINK_PALLAS_FFW:BLINK_PALLAS_OUT (the merge inside the output projection, pallas_out)
-  for v in ${PARTIAL_VARIANTS:-base:0:0 ffw:1:0 ffw_out:1:1}; do
-    IFS=: read -r name f o <<<"$v"
-    BLINK_PALLAS_FFW=$f BLINK_PALLAS_OUT=$o exec_bench partial_$name 6 --batches 1,64 \
-      --modes persistent --interference 0
+  # name:BLINK_PALLAS_FFW:BLINK_PALLAS_OUT:BLINK_CUDA_GEMV (pallas_out: the merge inside the
+  # output projection; cuda_gemv: the down projection as ffi/gemv_cuda.cu)
+  for v in ${PARTIAL_VARIANTS:-base:0:0:0 ffw:1:0:0 gemv:0:0:1 gemv_out:0:1:1}; do
+    IFS=: read -r name f o g <<<"$v"
+    BLINK_PALLAS_FFW=$f BLINK_PALLAS_OUT=$o BLINK_CUDA_GEMV=${g:-0} exec_bench partial_$name 6 \
+      --batches 1,64 --modes persistent --interference 0
   done
 fi
 if has profile; then

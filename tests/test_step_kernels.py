@@ -104,3 +104,27 @@ def test_small_steps_run_the_partial_sum_kernels_when_enabled(monkeypatch, modul
   # Larger steps, and steps without the add + norm kernel that sums the partials, do not.
   assert kernel not in _lowered_step(cfg, "pallas", "pallas", 64)
   assert kernel not in _lowered_step(cfg, "pallas", "reference", 1)
+
+
+def test_cuda_gemv_takes_the_down_projection_of_small_steps(monkeypatch):
+  # BLINK_CUDA_GEMV=1: two blink_gemv custom calls per layer in a bucket-1 step, the gate/up
+  # and the down projection (the fused Pallas down projection, if also on, is not used),
+  # none in a bucket-64 step.
+  from blink_jax import cuda_gemv, pallas_ffw
+  monkeypatch.setattr(cuda_gemv, "ENABLED", True)
+  monkeypatch.setattr(pallas_ffw, "ENABLED", True)
+  cfg = get_config("gemma3-270m")
+  for tokens, per_layer in ((1, 1), (64, 0)):
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Gemma(cfg, dtype=jnp.bfloat16)))
+    kernels = step_kernels(cfg, "pallas", "pallas", tokens, interpret=False)
+    assert (kernels["ffw_down_fn"] is not None) == (per_layer == 1)
+    assert (kernels["gate_up_fn"] is not None) == (per_layer == 1)
+
+    def step(state, kv, tokens, positions, seq_ids, page_table):
+      return nnx.merge(graphdef, state).forward(tokens, positions, seq_ids, page_table, kv,
+                                                **kernels)
+    kv = jax.eval_shape(lambda: init_kv_cache(cfg, 64, 16, jnp.bfloat16))
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    text = lower_for_cuda(step, state, kv, i32(tokens), i32(tokens), i32(tokens), i32(4, 16))
+    assert text.count("@blink_gemv") == 2 * cfg.num_layers * per_layer  # gate/up, down
+    assert "blink_ffw_down" not in text
