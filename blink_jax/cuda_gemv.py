@@ -8,8 +8,8 @@ loads, several rows in flight per thread, from S x N/64 blocks (S chosen to cove
 about twice). Like the fused down projection (`pallas_ffw`), it leaves the S partial sums to
 the add + norm kernel. BLINK_CUDA_GEMV=1 runs the MLP's projections of small GPU steps
 through it: the down projection's partial sums go to the add + norm kernel (with the Pallas
-norm kernels), the gate/up projection's are added up by XLA (`matmul`). Elsewhere (CPU, or no CUDA library) `partials`
-computes the same sums with jnp.
+norm kernels), the gate/up projection's are added up by XLA (`matmul`). Elsewhere (CPU, or
+no CUDA library) `partials` computes the same sums with jnp.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from blink_jax import ffi
-from blink_jax.model import sum_partials
+from blink_jax.model import MLP, sum_partials
 
 ENABLED = os.environ.get("BLINK_CUDA_GEMV", "0") == "1"
 MAX_TOKENS = 8      # rows per call (ffi/gemv_cuda.cu kMaxTokens)
@@ -83,9 +83,7 @@ def partials(x: jax.Array, w: jax.Array, splits: int | None = None, *,
 def ffw_down(gate_up: jax.Array, down: jax.Array, **kw) -> jax.Array:
   """`MLP.down_project` as partial sums [S, T, D] for the add + norm kernel: GELU(gate) x up
   rounded to the activations' dtype (as the jnp MLP rounds it), then the down GEMV."""
-  gate, up = jnp.split(gate_up, 2, axis=-1)
-  h = jax.nn.gelu(gate, approximate=True) * up
-  return partials(h, down, **kw)
+  return partials(MLP.activate(gate_up), down, **kw)
 
 
 def matmul(x: jax.Array, w: jax.Array, **kw) -> jax.Array:

@@ -218,11 +218,17 @@ class MLP(nnx.Module):
     return jnp.concatenate([self.gate[...], self.up[...]], axis=1)
 
   @staticmethod
+  def activate(gate_up: jax.Array) -> jax.Array:
+    """The fused gate/up projection [..., 2F] -> gelu_tanh(gate) * up [..., F], in its dtype
+    (what the down projection multiplies)."""
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return jax.nn.gelu(gate, approximate=True) * up
+
+  @staticmethod
   def down_project(gate_up: jax.Array, down: jax.Array) -> jax.Array:
     """The fused gate/up projection [..., 2F] and the down weights [F, D] -> the MLP's
     output down(gelu_tanh(gate) * up) [..., D]."""
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    return (jax.nn.gelu(gate, approximate=True) * up) @ down.astype(gate_up.dtype)
+    return MLP.activate(gate_up) @ down.astype(gate_up.dtype)
 
 
 class Block(nnx.Module):
