@@ -1,8 +1,12 @@
 """External reference: single-stream greedy decode of Hugging Face transformers (PyTorch) in the
 same model shape with random weights, on the same GPU.
 
-Static KV cache (cache_implementation="static"); with --compile, torch.compile of the forward
-("reduce-overhead": CUDA graphs), as transformers recommends for fast decoding. Reports
+Static KV cache (cache_implementation="static"). With a compileable cache on CUDA,
+`generate` compiles the decoding forward itself (transformers' automatic compilation, CUDA
+graphs through mode "reduce-overhead" by default): `--compile auto` is that default, `eager`
+turns it off (`disable_compile`), any other name is a torch.compile mode passed as
+`compile_config` (wrapping model.forward in torch.compile by hand on top of the automatic
+compilation fails: "accessing tensor output of CUDAGraphs that has been overwritten"). Reports
 per-token decode latency (median over --repeats generations of --tokens new tokens after a
 --prompt-token prompt, the prefill excluded by timing a 1-token generation separately).
 
@@ -22,7 +26,9 @@ flags.DEFINE_string("config", "gemma3-1b", "blink_jax model config name (the sha
 flags.DEFINE_integer("prompt", 1024, "prompt tokens")
 flags.DEFINE_integer("tokens", 128, "new tokens per generation")
 flags.DEFINE_integer("repeats", 5, "timed generations")
-flags.DEFINE_list("compile", ["none", "reduce-overhead"], "torch.compile modes to try")
+flags.DEFINE_list("compile", ["eager", "auto", "max-autotune"],
+                  "'eager', 'auto' (transformers' automatic compilation) or torch.compile modes")
+flags.DEFINE_string("device", "cuda", "torch device ('cpu' only checks that the script runs)")
 flags.DEFINE_string("out", "bench/results/hf_reference.json", "JSON result file")
 
 
@@ -40,6 +46,16 @@ def hf_config(cfg):
       max_position_embeddings=8192, tie_word_embeddings=True)
 
 
+def generate_compile_kwargs(mode: str) -> dict:
+  """generate() arguments that select how transformers compiles the decoding forward."""
+  if mode == "eager":
+    return {"disable_compile": True}
+  if mode == "auto":
+    return {}
+  from transformers import CompileConfig
+  return {"compile_config": CompileConfig(mode=mode)}
+
+
 def main(argv):
   del argv
   import torch
@@ -48,20 +64,20 @@ def main(argv):
   from blink_jax.config import get_config
   cfg = get_config(FLAGS.config)
   torch.manual_seed(0)
-  model = Gemma3ForCausalLM(hf_config(cfg)).to("cuda", torch.bfloat16).eval()
-  prompt = torch.randint(3, cfg.vocab_size, (1, FLAGS.prompt), device="cuda")
+  model = Gemma3ForCausalLM(hf_config(cfg)).to(FLAGS.device, torch.bfloat16).eval()
+  prompt = torch.randint(3, cfg.vocab_size, (1, FLAGS.prompt), device=FLAGS.device)
+  sync = torch.cuda.synchronize if FLAGS.device.startswith("cuda") else (lambda: None)
   rows = []
   for mode in FLAGS.compile:
-    if mode != "none":
-      model.forward = torch.compile(model.forward, mode=mode, fullgraph=True)
+    compile_kwargs = generate_compile_kwargs(mode)
 
     def gen(n):
-      torch.cuda.synchronize()
+      sync()
       t = time.perf_counter()
       with torch.inference_mode():
         model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                       cache_implementation="static")
-      torch.cuda.synchronize()
+                       cache_implementation="static", **compile_kwargs)
+      sync()
       return time.perf_counter() - t
 
     try:

@@ -257,7 +257,7 @@ fi
 if has hf; then
   log "HF transformers single-stream reference (Gemma 3 1B shape, random weights)"
   timeout 300 python3 scripts/bench_hf_reference.py --config gemma3-1b --prompt 1024 \
-    --tokens 128 --repeats 3 --compile ${HF_COMPILE:-none,reduce-overhead} --out bench/results/hf_reference_h200.json 2>&1 \
+    --tokens 128 --repeats 3 --compile ${HF_COMPILE:-eager,auto,max-autotune} --out bench/results/hf_reference_h200.json 2>&1 \
     | grep -v "^[IW]1" | tail -6 | tee -a "$OUT/log.txt"
   cp bench/results/hf_reference_h200.json "$OUT/" 2>/dev/null
 fi

@@ -1,0 +1,33 @@
+"""scripts/bench_hf_reference.py runs end to end (on the CPU, the 270M shape, a few tokens):
+each compile mode gives a timed row, and eager vs transformers' automatic compilation are
+selected through generate()'s own arguments."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from scripts import bench_hf_reference as H
+
+pytest.importorskip("transformers")
+
+
+def test_compile_modes_map_to_generate_arguments():
+  assert H.generate_compile_kwargs("eager") == {"disable_compile": True}
+  assert H.generate_compile_kwargs("auto") == {}
+  config = H.generate_compile_kwargs("max-autotune")["compile_config"]
+  assert config.mode == "max-autotune"
+
+
+def test_script_writes_a_row_per_mode(tmp_path):
+  out = tmp_path / "hf.json"
+  subprocess.run([sys.executable, "-m", "scripts.bench_hf_reference", "--config", "gemma3-270m",
+                  "--prompt", "16", "--tokens", "3", "--repeats", "1", "--compile", "eager,auto",
+                  "--device", "cpu", "--out", str(out)], check=True, timeout=600)
+  result = json.loads(out.read_text())
+  rows = result["results"]
+  assert [r["compile"] for r in rows] == ["eager", "auto"]
+  for r in rows:
+    assert "error" not in r, r
+    assert r["ms_per_token_median"] > 0 and r["tokens_per_s"] > 0
+  assert result["config"] == "gemma3-270m" and result["tokens"] == 3
