@@ -22,14 +22,16 @@ from absl import app, flags
 from scripts import bench_common as C
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("config", "gemma3-1b", "blink_jax model config name (the shape)")
-flags.DEFINE_integer("prompt", 1024, "prompt tokens")
-flags.DEFINE_integer("tokens", 128, "new tokens per generation")
-flags.DEFINE_integer("repeats", 5, "timed generations")
-flags.DEFINE_list("compile", ["eager", "auto", "max-autotune"],
-                  "'eager', 'auto' (transformers' automatic compilation) or torch.compile modes")
-flags.DEFINE_string("device", "cuda", "torch device ('cpu' only checks that the script runs)")
-flags.DEFINE_string("out", "bench/results/hf_reference.json", "JSON result file")
+def define_flags():
+  """Defined when run as a script only: tests import this module beside other absl scripts."""
+  flags.DEFINE_string("config", "gemma3-1b", "blink_jax model config name (the shape)")
+  flags.DEFINE_integer("prompt", 1024, "prompt tokens")
+  flags.DEFINE_integer("tokens", 128, "new tokens per generation")
+  flags.DEFINE_integer("repeats", 5, "timed generations")
+  flags.DEFINE_list("compile", ["eager", "auto", "max-autotune"],
+                    "'eager', 'auto' (transformers' automatic compilation) or torch.compile modes")
+  flags.DEFINE_string("device", "cuda", "torch device ('cpu' only checks that the script runs)")
+  flags.DEFINE_string("out", "bench/results/hf_reference.json", "JSON result file")
 
 
 def hf_config(cfg):
@@ -101,4 +103,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

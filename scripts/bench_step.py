@@ -27,27 +27,29 @@ from blink_jax.kernels import step_kernels
 from scripts import bench_common as C
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("config", "gemma3-1b", "model config name, or 'tiny'")
-flags.DEFINE_list("batches", ["1", "8", "64", "256"], "decode batch sizes")
-flags.DEFINE_integer("context", 1024, "context of every decoding sequence")
-flags.DEFINE_list("prefill", ["128", "1024", "4096"], "prompt lengths for prefill throughput")
-flags.DEFINE_integer("steps", 50, "steps per timed device loop")
-flags.DEFINE_integer("repeats", 3, "timed loops per point (median and spread reported)")
-flags.DEFINE_integer("page_size", 16, "KV page size")
-flags.DEFINE_enum("attention", "auto", config.KERNEL_KINDS,
-                  "paged attention, as the engine picks it per step size (prefill-sized steps: "
-                  "the reference unless BLINK_PALLAS_MAX_ROWS / BLINK_PALLAS_PREFILL say)")
-flags.DEFINE_enum("norm", "auto", config.KERNEL_KINDS,
-                  "norm kernels: add + RMSNorm pairs, q/k norm + RoPE")
-flags.DEFINE_bool("scheduler", True, "also time schedule+commit and an empty loop iteration")
-flags.DEFINE_string("out", "bench/results/step.json", "JSON result file")
-flags.DEFINE_string("profile", None, "also trace profile_steps single decode steps per batch "
-                    "into DIR/decode_b<batch> (jax.profiler; scripts/kernel_profile.py reads it)")
-flags.DEFINE_integer("profile_steps", 20, "traced steps per batch with --profile")
-flags.DEFINE_bool("command_buffers", True, "run steps as CUDA graphs (XLA command buffers); "
-                  "--nocommand_buffers launches each kernel on its own")
-flags.DEFINE_integer("copy_elems", 1 << 31, "bf16 elements of the bandwidth probe")
-flags.DEFINE_integer("matmul_n", 8192, "size of the matmul-rate probe")
+def define_flags():
+  """Defined when run as a script only: tests import this module beside other absl scripts."""
+  flags.DEFINE_string("config", "gemma3-1b", "model config name, or 'tiny'")
+  flags.DEFINE_list("batches", ["1", "8", "64", "256"], "decode batch sizes")
+  flags.DEFINE_integer("context", 1024, "context of every decoding sequence")
+  flags.DEFINE_list("prefill", ["128", "1024", "4096"], "prompt lengths for prefill throughput")
+  flags.DEFINE_integer("steps", 50, "steps per timed device loop")
+  flags.DEFINE_integer("repeats", 3, "timed loops per point (median and spread reported)")
+  flags.DEFINE_integer("page_size", 16, "KV page size")
+  flags.DEFINE_enum("attention", "auto", config.KERNEL_KINDS,
+                    "paged attention, as the engine picks it per step size (prefill-sized steps: "
+                    "the reference unless BLINK_PALLAS_MAX_ROWS / BLINK_PALLAS_PREFILL say)")
+  flags.DEFINE_enum("norm", "auto", config.KERNEL_KINDS,
+                    "norm kernels: add + RMSNorm pairs, q/k norm + RoPE")
+  flags.DEFINE_bool("scheduler", True, "also time schedule+commit and an empty loop iteration")
+  flags.DEFINE_string("out", "bench/results/step.json", "JSON result file")
+  flags.DEFINE_string("profile", None, "also trace profile_steps single decode steps per batch "
+                      "into DIR/decode_b<batch> (jax.profiler; scripts/kernel_profile.py reads it)")
+  flags.DEFINE_integer("profile_steps", 20, "traced steps per batch with --profile")
+  flags.DEFINE_bool("command_buffers", True, "run steps as CUDA graphs (XLA command buffers); "
+                    "--nocommand_buffers launches each kernel on its own")
+  flags.DEFINE_integer("copy_elems", 1 << 31, "bf16 elements of the bandwidth probe")
+  flags.DEFINE_integer("matmul_n", 8192, "size of the matmul-rate probe")
 
 
 def timed(fn, *args, repeats: int) -> list[float]:
@@ -154,13 +156,21 @@ def measure_step(model, cfg, kind: str, n_seqs: int, length: int, steps: int, re
   return row
 
 
+def configure_xla(command_buffers: bool) -> None:
+  """XLA's flags for the timed steps: the engine's (command buffers and decode flags), or,
+  without command buffers, kernels launched one by one with the same decode flags
+  (dot-strength-reduction off: without it the step is a different program, finding 38)."""
+  if command_buffers:
+    xla_flags.configure_command_buffers()
+    return
+  os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
+                                      "--xla_gpu_enable_command_buffer=",
+                                      *xla_flags.DECODE_FLAGS]).strip()
+
+
 def main(argv):
   del argv
-  if FLAGS.command_buffers:
-    xla_flags.configure_command_buffers()
-  else:
-    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
-                                        "--xla_gpu_enable_command_buffer="]).strip()
+  configure_xla(FLAGS.command_buffers)
   from blink_jax.config import get_config, tiny_config
   from blink_jax.model import Gemma
   cfg = tiny_config("gemma3") if FLAGS.config == "tiny" else get_config(FLAGS.config)
@@ -196,4 +206,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

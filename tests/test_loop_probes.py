@@ -1,5 +1,7 @@
 """The loop probes behind scripts/diag_loop_overhead.py and bench_step.py (CPU: timing and
 composition only; the scheduler probes need a GPU mailbox)."""
+import os
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -56,3 +58,15 @@ def test_engine_probe_serves_its_requests():
   assert int(h["tokens_generated"]) >= 2 + 2  # a first token per prefill, then decodes
   box.reset()
   assert int(M.read_header(box.host)["tokens_generated"]) == 0
+
+
+def test_bench_step_without_command_buffers_keeps_the_decode_flags(monkeypatch):
+  """Kernel-by-kernel steps (for profiles) must be the engine's program: same decode flags."""
+  from blink_jax import xla_flags
+  from scripts import bench_step
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+  bench_step.configure_xla(command_buffers=False)
+  flags = os.environ["XLA_FLAGS"].split()
+  assert flags[0] == "--xla_dump_to=/tmp/x"
+  assert "--xla_gpu_enable_command_buffer=" in flags
+  assert set(xla_flags.DECODE_FLAGS) <= set(flags)
