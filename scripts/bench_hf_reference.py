@@ -22,6 +22,8 @@ from absl import app, flags
 from scripts import bench_common as C
 
 FLAGS = flags.FLAGS
+
+
 def define_flags():
   """Defined when run as a script only: tests import this module beside other absl scripts."""
   flags.DEFINE_string("config", "gemma3-1b", "blink_jax model config name (the shape)")

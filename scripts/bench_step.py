@@ -27,6 +27,8 @@ from blink_jax.kernels import step_kernels
 from scripts import bench_common as C
 
 FLAGS = flags.FLAGS
+
+
 def define_flags():
   """Defined when run as a script only: tests import this module beside other absl scripts."""
   flags.DEFINE_string("config", "gemma3-1b", "model config name, or 'tiny'")
