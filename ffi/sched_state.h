@@ -183,7 +183,8 @@ struct BlinkStateLayout {
     free_lanes = order + c.max_seqs;
     new_lanes = free_lanes + c.max_seqs;
     step_lanes = new_lanes + c.max_seqs;
-    lanes = step_lanes + c.max_seqs;
+    lanes = (step_lanes + c.max_seqs + 3) & ~int64_t(3);  // 16-byte aligned: the CUDA
+                                                          // kernels copy it in 16-byte words
     stop_ids = lanes + L_NUM_FIELDS * c.max_seqs;
     scratch_a = stop_ids + BLINK_MAX_STOP_IDS * c.max_seqs;
     scratch_b = scratch_a + wide;

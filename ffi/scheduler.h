@@ -33,7 +33,7 @@ struct BlinkHotLayout {
   int64_t hot_words, lanes, lane_words, lscratch, lscratch_len, total;
   BLINK_HD explicit BlinkHotLayout(const BlinkSchedConfig& c) {
     hot_words = BlinkStateLayout(c).scalars + S_NUM_SCALARS;  // counters start at word 0
-    lanes = (hot_words + 1) & ~int64_t(1);                     // 8-byte aligned
+    lanes = (hot_words + 3) & ~int64_t(3);                     // 16-byte aligned
     lane_words = int64_t(L_NUM_FIELDS) * c.max_seqs;
     lscratch = lanes + lane_words;
     lscratch_len = (c.max_seqs > BLINK_MAX_WORKERS ? c.max_seqs : BLINK_MAX_WORKERS) + 1;
@@ -66,7 +66,7 @@ struct BlinkSched {
         lanes(state + lay.lanes), lscratch(state + lay.scratch_a),
         lscratch_stride(lay.scratch_b - lay.scratch_a) {}
 
-  // Points the hot regions at a copy laid out as BlinkHotLayout says; `copy` must be 8-byte
+  // Points the hot regions at a copy laid out as BlinkHotLayout says; `copy` must be 16-byte
   // aligned and filled from the state by the caller (scratch needs no filling).
   BLINK_HD void use_hot_copy(int32_t* copy) {
     BlinkHotLayout h(c);

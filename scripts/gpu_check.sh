@@ -214,15 +214,21 @@ if has profile; then
 fi
 if has stepprofile; then
   log "per-kernel time of the bare decode step (single steps traced; kernels launched one by one)"
-  for b in ${PROFILE_BATCHES:-1 64}; do
-    rm -rf /tmp/step_profile
-    timeout 200 python3 scripts/bench_step.py --config gemma3-1b --batches $b --prefill "" \
-      --noscheduler --nocommand_buffers --profile /tmp/step_profile --profile_steps 20 \
-      --out "$OUT/step_profiled_b$b.json" 2>&1 | grep -v "^[IW]1" | tail -1 | tee -a "$OUT/log.txt"
-    python3 scripts/kernel_profile.py --trace /tmp/step_profile/decode_b$b --iterations 20 \
-      --top 40 --out bench/results/step_kernels_b${b}_h200.json 2>&1 | grep -v "^[IW]1" \
-      | head -60 | tee -a "$OUT/log.txt"
-    cp bench/results/step_kernels_b${b}_h200.json "$OUT/" 2>/dev/null
+  # PROFILE_VARIANTS: name:VAR=value,... (environment of the traced step; "base:" = defaults)
+  for v in ${PROFILE_VARIANTS:-base:}; do
+    name=${v%%:*} envs=${v#*:}
+    for b in ${PROFILE_BATCHES:-1 64}; do
+      rm -rf /tmp/step_profile
+      env ${envs//,/ } timeout 200 python3 scripts/bench_step.py --config gemma3-1b --batches $b \
+        --prefill "" --noscheduler --nocommand_buffers --profile /tmp/step_profile \
+        --profile_steps 20 --out "$OUT/step_profiled_${name}_b$b.json" 2>&1 | grep -v "^[IW]1" \
+        | tail -1 | sed "s/^/$name /" | tee -a "$OUT/log.txt"
+      suffix=$([[ $name == base ]] || echo "_$name")
+      python3 scripts/kernel_profile.py --trace /tmp/step_profile/decode_b$b --iterations 20 \
+        --top 40 --out bench/results/step_kernels_b${b}${suffix}_h200.json 2>&1 \
+        | grep -v "^[IW]1" | head -60 | tee -a "$OUT/log.txt"
+      cp bench/results/step_kernels_b${b}${suffix}_h200.json "$OUT/" 2>/dev/null
+    done
   done
 fi
 if has prefill; then
