@@ -2,18 +2,20 @@
 blink_gemv): x [T, K] times w [K, N] -> split partial sums [S, T, N] float32, for steps of up
 to MAX_TOKENS tokens.
 
-A batch-1 layer of the 1B shape moved its weights at ~1 TB/s effective through XLA's GEMM
-kernels (docs/NOTES.md finding 32); this kernel reads each weight byte once with 16-byte
-loads, several rows in flight per thread, from S x N/64 blocks (S chosen to cover the GPU
-about twice). Like the fused down projection (`pallas_ffw`), it leaves the S partial sums to
-the add + norm kernel. BLINK_CUDA_GEMV=1 runs the MLP's projections of small GPU steps
-through it: the down projection's partial sums go to the add + norm kernel (with the Pallas
-norm kernels), the gate/up projection's are added up by XLA (`matmul`). Elsewhere (CPU, or
-no CUDA library) `partials` computes the same sums with jnp.
+XLA runs a batch-1 step's q/k/v, output and down projections (1B shape) as GEMM kernels of
+7.6-9 us each whatever their size (3.5 to 16 MB: 0.4-1.9 TB/s; docs/NOTES.md finding 40).
+This kernel reads each weight byte once with 16-byte loads, every row of a thread in flight
+at once, from S x N/64 blocks (S: one pass per block, and enough blocks to cover the GPU).
+BLINK_CUDA_GEMV picks the projections of small GPU steps it runs (`projections_from`; "1":
+q/k/v, output, down): the output and down projections' partial sums go to the add + norm
+kernel (with the Pallas norm kernels), the q/k/v and gate/up projections' are added up by
+XLA (`matmul`). Elsewhere (CPU, or no CUDA library) `partials` computes the same sums with
+jnp.
 """
 from __future__ import annotations
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -21,17 +23,45 @@ import jax.numpy as jnp
 from blink_jax import ffi
 from blink_jax.model import MLP, sum_partials
 
-ENABLED = os.environ.get("BLINK_CUDA_GEMV", "0") == "1"
+PROJECTIONS = ("qkv", "out", "down", "gate_up")
+DEFAULT_PROJECTIONS = ("qkv", "out", "down")  # BLINK_CUDA_GEMV=1
+
+
+def projections_from(value: str) -> frozenset[str]:
+  """The projections a BLINK_CUDA_GEMV value runs through the kernel: "0" or "" none, "1"
+  DEFAULT_PROJECTIONS, else names from PROJECTIONS joined by "," or "+"."""
+  if value in ("", "0"):
+    return frozenset()
+  names = frozenset(DEFAULT_PROJECTIONS if value == "1" else re.split(r"[,+]", value))
+  if bad := sorted(names - set(PROJECTIONS)):
+    raise ValueError(f"BLINK_CUDA_GEMV={value!r}: unknown projection(s) {bad}; use 0, 1 or "
+                     f"names from {PROJECTIONS} joined by ',' or '+'")
+  return names
+
+
+ENABLED = projections_from(os.environ.get("BLINK_CUDA_GEMV", "0"))  # the projections it runs
 MAX_TOKENS = 8      # rows per call (ffi/gemv_cuda.cu kMaxTokens)
 COLUMNS = 64          # output columns per block (ffi/gemv_cuda.cu kColumns)
 _TARGET_BLOCKS = 264  # about two blocks per SM of an H200 (132 SMs)
 _MIN_ROWS = 32        # rows of K per split: one per row group of a block
+_GROUPS = 32          # rows a block reads at once (ffi/gemv_cuda.cu kGroups)
+_MAX_SPLITS = 32      # partial sums cost T x N x 4 bytes each, written and read again
 
 
-def default_splits(k: int, n: int) -> int:
-  """Splits of K so that splits x N/64 blocks cover the GPU about twice: a power of two (the
-  add + norm kernel sums a power of two of partials), at least 32 rows of K each."""
-  want = -(-_TARGET_BLOCKS // max(1, n // COLUMNS))
+def rows_in_flight(tokens: int) -> int:
+  """Rows of K each thread loads at once for `tokens` rows of x (ffi/gemv_cuda.cu
+  rows_in_flight)."""
+  return 8 if tokens == 1 else 4 if tokens <= 4 else 2
+
+
+def default_splits(k: int, n: int, tokens: int = 1) -> int:
+  """Splits of K: a power of two (the add + norm kernel sums a power of two of partials),
+  enough that a block's rows fit one pass of its threads' loads (every load in flight at
+  once) and that splits x N/64 blocks cover the GPU about twice; at most 32, and at least 32
+  rows of K each."""
+  one_pass = -(-k // (_GROUPS * rows_in_flight(tokens)))
+  cover = -(-_TARGET_BLOCKS // max(1, n // COLUMNS))
+  want = min(max(one_pass, cover), _MAX_SPLITS)
   most = max(1, k // _MIN_ROWS)
   return min(1 << (want - 1).bit_length(), 1 << (most.bit_length() - 1))
 
@@ -67,7 +97,7 @@ def partials(x: jax.Array, w: jax.Array, splits: int | None = None, *,
   if w.shape[0] != k or not usable(tokens, k, n):
     raise ValueError(f"blink_gemv takes x [T<={MAX_TOKENS}, K] and w [K, N % {COLUMNS} == 0]; "
                      f"got x {x.shape} and w {w.shape}")
-  splits = default_splits(k, n) if splits is None else splits
+  splits = default_splits(k, n, tokens) if splits is None else splits
   if not 1 <= splits <= k:
     raise ValueError(f"splits={splits} must be in [1, K={k}]")
   if use_kernel is None:
@@ -86,7 +116,15 @@ def ffw_down(gate_up: jax.Array, down: jax.Array, **kw) -> jax.Array:
   return partials(MLP.activate(gate_up), down, **kw)
 
 
+def out_project(attn: jax.Array, o_weight: jax.Array, dtype, **kw) -> jax.Array:
+  """`Attention.out` as partial sums [S, T, D] for the add + norm kernel: the merged
+  attention output attn [T, H, h] (rounded to dtype) times o_weight [H, h, D]."""
+  n, h, d = o_weight.shape
+  flat = attn.reshape(attn.shape[0], n * h).astype(dtype)
+  return partials(flat, o_weight.reshape(n * h, d).astype(dtype), **kw)
+
+
 def matmul(x: jax.Array, w: jax.Array, **kw) -> jax.Array:
-  """x @ w in x's dtype through the GEMV's partial sums (XLA adds them up; for the MLP's
-  gate/up projection: 2 splits of a [1152, 13824] weight at batch 1 in the 1B shape)."""
+  """x @ w in x's dtype through the GEMV's partial sums, added up by XLA (the q/k/v and the
+  gate/up projections)."""
   return sum_partials(partials(x, w, **kw), x)

@@ -23,11 +23,12 @@ def step_kernels(cfg, attention: str, norm: str, rows: int, *, interpret: bool) 
   kinds (`config.resolve_kernel`). A Pallas kernel is compiled by Triton on the GPU and run
   by Pallas' interpreter elsewhere (interpret: the engine's device decides, so a CPU engine
   on a GPU machine interprets). With both kinds "pallas" the q/k kernel hands the attention
-  its query grouped by KV head and padded; BLINK_CUDA_GEMV=1 runs the gate/up projection
-  of steps of up to 8 tokens as the CUDA GEMV (`cuda_gemv`), and with norm "pallas" their
-  down projection too (or, with BLINK_PALLAS_FFW=1, as the fused Pallas down projection,
-  `pallas_ffw`); with both "pallas" and BLINK_PALLAS_OUT=1 small steps merge the
-  attention's splits inside the output projection (`pallas_out`)."""
+  its query grouped by KV head and padded; BLINK_CUDA_GEMV runs the chosen projections of
+  steps of up to 8 tokens as the CUDA GEMV (`cuda_gemv`; the output and down projections
+  only with norm "pallas", whose add + norm kernel sums their partials); else, with norm
+  "pallas", BLINK_PALLAS_FFW=1 runs their down projection as the fused Pallas kernel
+  (`pallas_ffw`), and with both "pallas" BLINK_PALLAS_OUT=1 merges the attention's splits
+  inside the output projection (`pallas_out`)."""
   attention_fn = pallas_attention.select(attention, rows, interpret=interpret)
   group = cfg.num_heads // cfg.num_kv_heads
   grouped = norm == "pallas" and pallas_attention.uses_kernel(attention, rows)
@@ -40,18 +41,25 @@ def step_kernels(cfg, attention: str, norm: str, rows: int, *, interpret: bool) 
   # The fused down projection and the merge + output projection hand partial sums to the
   # add + norm kernel, which adds them up.
   sums_partials = norm == "pallas" and add_norm_fn is not add_rms_norm
-  ffw_down_fn = out_fn = gate_up_fn = None
-  if cuda_gemv.ENABLED and cuda_gemv.usable(rows, cfg.d_model, 2 * cfg.ffw_hidden):
-    gate_up_fn = functools.partial(cuda_gemv.matmul, use_kernel=not interpret)
-  if sums_partials and cuda_gemv.ENABLED and cuda_gemv.usable(rows, cfg.ffw_hidden,
-                                                              cfg.d_model):
-    ffw_down_fn = functools.partial(cuda_gemv.ffw_down, use_kernel=not interpret)
+  ffw_down_fn = out_fn = gate_up_fn = qkv_fn = None
+  gemv = cuda_gemv.ENABLED
+  gemv_fn = lambda f: functools.partial(f, use_kernel=not interpret)  # noqa: E731
+  width, heads = cfg.d_model, cfg.num_heads * cfg.head_dim
+  qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+  if "qkv" in gemv and cuda_gemv.usable(rows, width, qkv_width):
+    qkv_fn = gemv_fn(cuda_gemv.matmul)
+  if "gate_up" in gemv and cuda_gemv.usable(rows, width, 2 * cfg.ffw_hidden):
+    gate_up_fn = gemv_fn(cuda_gemv.matmul)
+  if sums_partials and "down" in gemv and cuda_gemv.usable(rows, cfg.ffw_hidden, width):
+    ffw_down_fn = gemv_fn(cuda_gemv.ffw_down)
   elif sums_partials and pallas_ffw.ENABLED and pallas_ffw.usable(rows, cfg.ffw_hidden,
-                                                                  cfg.d_model):
+                                                                  width):
     ffw_down_fn = functools.partial(pallas_ffw.ffw_down, interpret=interpret)
-  if (sums_partials and grouped and pallas_out.ENABLED
-      and pallas_out.usable(rows, cfg.num_heads, cfg.head_dim, cfg.d_model)):
+  if sums_partials and "out" in gemv and cuda_gemv.usable(rows, heads, width):
+    out_fn = gemv_fn(cuda_gemv.out_project)
+  elif (sums_partials and grouped and pallas_out.ENABLED
+        and pallas_out.usable(rows, cfg.num_heads, cfg.head_dim, width)):
     attention_fn = functools.partial(attention_fn, merged=False)
     out_fn = functools.partial(pallas_out.merge_out_project, group=group, interpret=interpret)
   return dict(attention_fn=attention_fn, prepare_fn=prepare_fn, add_norm_fn=add_norm_fn,
-              ffw_down_fn=ffw_down_fn, out_fn=out_fn, gate_up_fn=gate_up_fn)
+              ffw_down_fn=ffw_down_fn, out_fn=out_fn, gate_up_fn=gate_up_fn, qkv_fn=qkv_fn)

@@ -150,16 +150,18 @@ class Attention(nnx.Module):
     """The keyword arguments of an attention function for this layer."""
     return dict(window=self.window, softcap=self.softcap, scale=self.scale)
 
-  def project(self, x: jax.Array, fused: jax.Array | None = None) -> jax.Array:
+  def project(self, x: jax.Array, fused: jax.Array | None = None,
+              matmul_fn: MatmulFn | None = None) -> jax.Array:
     """x [..., D] -> the fused projection [..., (H + 2K) * h]: q, k, v heads (before norms
     and RoPE) side by side, `split_qkv` parts them. One matmul over the concatenated weights
     (`fused`, from `qkv_weight`, made once by the executor; else concatenated here), so a
     kernel that takes the projection reads it in place: three separate outputs made XLA
     copy each slice of its merged matmul into a buffer of its own. A 2-D matmul: at one row
     XLA's GPU backend compiled a 3-D einsum to a multiply that wrote the whole weight-sized
-    product, then a reduce (docs/NOTES.md, finding 18)."""
-    w = self.qkv_weight() if fused is None else fused
-    return x @ w.astype(x.dtype)
+    product, then a reduce (docs/NOTES.md, finding 18). matmul_fn: that matmul (default
+    `@`)."""
+    w = (self.qkv_weight() if fused is None else fused).astype(x.dtype)
+    return x @ w if matmul_fn is None else matmul_fn(x, w)
 
   def qkv_weight(self) -> jax.Array:
     """The q, k and v weights side by side, [D, (H + 2K) * h]."""
@@ -327,7 +329,7 @@ class Gemma(nnx.Module):
               ffw_down_fn: FfwDownFn | None = None,
               out_fn: OutFn | None = None,
               fused: Sequence[tuple[jax.Array, jax.Array]] | None = None,
-              gate_up_fn: MatmulFn | None = None
+              gate_up_fn: MatmulFn | None = None, qkv_fn: MatmulFn | None = None
               ) -> tuple[jax.Array, KVCache]:
     """One ragged paged step (docs/CONTRACTS.md): tokens/positions/seq_ids [T] int32,
     page_table [S, max_pages]. Every token writes its K/V, then attends to its sequence.
@@ -342,7 +344,8 @@ class Gemma(nnx.Module):
     padded), on the MLP output's (`pallas_ffw.ffw_down` hands partial sums to the add +
     norm) and on the attention output's (`out_fn`, default `Attention.out`:
     `pallas_out.merge_out_project` takes the attention's unmerged splits); `gate_up_fn`
-    runs the gate/up projection's matmul (`cuda_gemv.matmul` for small GPU steps). fused:
+    and `qkv_fn` run the gate/up and the q/k/v projections' matmuls (`cuda_gemv.matmul` for
+    small GPU steps). fused:
     each layer's `Block.fused_weights`, made once by the caller (the executor
     does, so no step concatenates weights; without them every step does, which inside the
     serving loop XLA hoists but a host-driven step cannot).
@@ -360,7 +363,7 @@ class Gemma(nnx.Module):
       key = (attn.rope_base, attn.rope_scale)
       if key not in tables:
         tables[key] = attn.rope_tables(positions)
-      qkv = attn.project(y, None if fused is None else fused[i][0])
+      qkv = attn.project(y, None if fused is None else fused[i][0], qkv_fn)
       q, kv_pages = prepare_fn(qkv, *tables[key], *attn.norm_weights(), attn.eps, kv_cache[i],
                                slots, **attn.heads())
       new_cache.append(kv_pages)

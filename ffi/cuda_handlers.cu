@@ -18,19 +18,13 @@ constexpr int kThreads = 512;
 // stream operation, so it cannot be recorded into a command buffer).
 constexpr int64_t kSharedLimit = 48 * 1024 - 64 * sizeof(int32_t);
 
-// n words from src to dst by the whole block: 16-byte words where both ends are 16-byte
-// aligned (the state layouts align the hot regions), then the tail. A plain block-stride loop:
-// an unrolled copy (8 loads in flight) made the kernels' code larger and the 1-lane schedule
-// ~1.8 us slower (finding 31); 16-byte words need 4x fewer round trips at the same code size.
+// n words (a multiple of 4, both ends 16-byte aligned: the layouts pad and align the hot
+// regions, and the handlers check the state's address) from src to dst by the whole block,
+// in 16-byte words. A plain block-stride loop: an unrolled copy (8 loads in flight) made the
+// kernels' code larger and the 1-lane schedule ~1.8 us slower (finding 31).
 __device__ void block_copy(int32_t* dst, const int32_t* src, int64_t n) {
-  int64_t done = 0;
-  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
-    const int64_t n4 = n / 4;
-    for (int64_t i = threadIdx.x; i < n4; i += blockDim.x)
-      reinterpret_cast<int4*>(dst)[i] = reinterpret_cast<const int4*>(src)[i];
-    done = n4 * 4;
-  }
-  for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+  for (int64_t i = threadIdx.x; i < n / 4; i += blockDim.x)
+    reinterpret_cast<int4*>(dst)[i] = reinterpret_cast<const int4*>(src)[i];
 }
 
 // Runs `fn` on a scheduler whose hot state (counters, scalars, lane table, lane scratch) lives
@@ -92,10 +86,13 @@ __global__ void __launch_bounds__(kThreads) step_kernel(BlinkSchedConfig c, int3
   });
 }
 
-// Dynamic shared memory for the hot state, or 0 when it does not fit (state stays in L2).
-int64_t hot_bytes(const BlinkSchedConfig& c) {
+// Dynamic shared memory for the hot state, or 0 when it does not fit or the state is not
+// 16-byte aligned (the state stays in L2).
+int64_t hot_bytes(const BlinkSchedConfig& c, const void* state) {
+  static_assert((2 * C_NUM_COUNTERS + S_NUM_SCALARS) % 4 == 0, "hot words copied by 16 bytes");
   int64_t b = BlinkHotLayout(c).total * int64_t(sizeof(int32_t));
-  return b <= kSharedLimit ? b : 0;
+  bool aligned = reinterpret_cast<uintptr_t>(state) % 16 == 0;
+  return aligned && b <= kSharedLimit ? b : 0;
 }
 
 ffi::Error last_error() {
@@ -137,7 +134,7 @@ ffi::Error ScheduleImpl(cudaStream_t s, ffi::Buffer<ffi::S32> state,
   carry(s, state, state_out);
   carry(s, history, history_out);
   carry(s, page_table, page_table_out);
-  int64_t smem = hot_bytes(c);
+  int64_t smem = hot_bytes(c, state_out->untyped_data());
   schedule_kernel<<<1, kThreads, smem, s>>>(c, state_out->typed_data(),
                                             history_out->typed_data(),
                                             page_table_out->typed_data(), batch->typed_data(),
@@ -155,7 +152,7 @@ ffi::Error CommitImpl(cudaStream_t s, ffi::Buffer<ffi::S32> state, ffi::Buffer<f
   if (auto e = blink::CheckState(c, state); e.failure()) return e;
   carry(s, state, state_out);
   carry(s, history, history_out);
-  int64_t smem = hot_bytes(c);
+  int64_t smem = hot_bytes(c, state_out->untyped_data());
   commit_kernel<<<1, kThreads, smem, s>>>(
       c, state_out->typed_data(), history_out->typed_data(),
       const_cast<int32_t*>(page_table.typed_data()), const_cast<int32_t*>(batch.typed_data()),
@@ -177,7 +174,7 @@ ffi::Error StepImpl(cudaStream_t s, ffi::Buffer<ffi::S32> state, ffi::Buffer<ffi
   carry(s, history, history_out);
   carry(s, page_table, page_table_out);
   carry(s, batch, batch_out);
-  int64_t smem = hot_bytes(c);
+  int64_t smem = hot_bytes(c, state_out->untyped_data());
   step_kernel<<<1, kThreads, smem, s>>>(
       c, state_out->typed_data(), history_out->typed_data(), page_table_out->typed_data(),
       batch_out->typed_data(),

@@ -1,8 +1,8 @@
 // A batch-1..8 matrix-vector product for the decode step's projections: x [T, K] bf16 times
 // w [K, N] bf16 -> split partial sums [S, T, N] f32 (S splits of K; the add + norm kernel or
 // an XLA fusion adds them up). XLA runs these GEMVs as GEMM kernels tuned on hot caches; here
-// every weight byte is read once with 16-byte loads, several in flight per thread, from
-// enough blocks to cover the GPU (blink_jax/cuda_gemv.py picks S).
+// every weight byte is read once with 16-byte loads, all of a thread's rows in flight at
+// once, from enough blocks to cover the GPU (blink_jax/cuda_gemv.py picks S).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -18,18 +18,24 @@ constexpr int kColumns = 64;                       // output columns per block
 constexpr int kPerThread = 8;                      // columns per thread: one 16-byte load
 constexpr int kGroupLanes = kColumns / kPerThread;  // threads reading one row: 8 (128 bytes)
 constexpr int kGroups = kThreads / kGroupLanes;     // rows read at once: 32
-constexpr int kUnroll = 4;                          // rows in flight per thread
 constexpr int kMaxTokens = 8;
+
+// Rows each thread has in flight for T tokens (mirrored in blink_jax/cuda_gemv.py
+// rows_in_flight): as many as the registers allow beside T x 8 sums. With splits chosen so
+// that a block's rows fit one pass, every load of the kernel is issued before any returns:
+// one trip to HBM instead of one per 4 rows (the first version took 4 trips for the 1B
+// down projection and ran at ~1 TB/s, docs/NOTES.md finding 40).
+__host__ __device__ constexpr int rows_in_flight(int T) { return T == 1 ? 8 : T <= 4 ? 4 : 2; }
 
 // Block (column block c, split s): rows [s * chunk, min(K, (s + 1) * chunk)) of columns
 // [c * 64, c * 64 + 64). Thread (group g, lane j) reads columns j * 8 .. j * 8 + 7 of rows
 // g, g + 32, ...; its sums are reduced over the warp's 4 groups by shuffles and over the
 // 8 warps in shared memory.
 template <int T>
-__global__ void __launch_bounds__(kThreads) gemv_kernel(const __nv_bfloat16* __restrict__ x,
-                                                         const __nv_bfloat16* __restrict__ w,
-                                                         float* __restrict__ out, int64_t K,
-                                                         int64_t N, int64_t chunk) {
+__global__ void __launch_bounds__(kThreads, T == 1 ? 4 : 2)
+    gemv_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+                float* __restrict__ out, int64_t K, int64_t N, int64_t chunk) {
+  constexpr int U = rows_in_flight(T);
   const int j = threadIdx.x % kGroupLanes, g = threadIdx.x / kGroupLanes;
   const int64_t col = int64_t(blockIdx.x) * kColumns + j * kPerThread;
   const int64_t k0 = int64_t(blockIdx.y) * chunk;
@@ -40,26 +46,27 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const __nv_bfloat16* __r
 #pragma unroll
     for (int c = 0; c < kPerThread; ++c) acc[t][c] = 0.f;
 
-  for (int64_t base = k0 + g; base < k1; base += kGroups * kUnroll) {
-    uint4 rows[kUnroll];
+  for (int64_t base = k0 + g; base < k1; base += kGroups * U) {
+    uint4 rows[U];
+    float xs[T][U];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {  // every load first, then the math
+    for (int u = 0; u < U; ++u) {  // every load first (weights and inputs), then the math
       const int64_t k = base + int64_t(u) * kGroups;
-      rows[u] = k < k1 ? __ldg(reinterpret_cast<const uint4*>(w + k * N + col)) : make_uint4(0, 0, 0, 0);
+      const bool in = k < k1;  // rows past the split's end count as zeros
+      rows[u] = in ? __ldg(reinterpret_cast<const uint4*>(w + k * N + col)) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int t = 0; t < T; ++t) xs[t][u] = in ? __bfloat162float(x[int64_t(t) * K + k]) : 0.f;
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t k = base + int64_t(u) * kGroups;
-      if (k >= k1) break;
+    for (int u = 0; u < U; ++u) {
       const __nv_bfloat162* pair = reinterpret_cast<const __nv_bfloat162*>(&rows[u]);
 #pragma unroll
-      for (int t = 0; t < T; ++t) {
-        const float xv = __bfloat162float(x[int64_t(t) * K + k]);
+      for (int c = 0; c < kPerThread / 2; ++c) {
+        const float2 wv = __bfloat1622float2(pair[c]);
 #pragma unroll
-        for (int c = 0; c < kPerThread / 2; ++c) {
-          const float2 wv = __bfloat1622float2(pair[c]);
-          acc[t][2 * c] += xv * wv.x;
-          acc[t][2 * c + 1] += xv * wv.y;
+        for (int t = 0; t < T; ++t) {
+          acc[t][2 * c] += xs[t][u] * wv.x;
+          acc[t][2 * c + 1] += xs[t][u] * wv.y;
         }
       }
     }

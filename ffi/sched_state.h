@@ -164,6 +164,12 @@ BLINK_HD int64_t blink_batch_words(const BlinkSchedConfig& c) {
   return B_HEADER_WORDS + BT_NUM * c.token_budget + BS_NUM * c.max_seqs;
 }
 
+// Words of the lane table (L_NUM_FIELDS arrays of max_seqs), rounded up to 16 bytes: the
+// CUDA kernels copy it to and from shared memory in 16-byte words, with no tail.
+BLINK_HD int64_t blink_lane_words(const BlinkSchedConfig& c) {
+  return (int64_t(L_NUM_FIELDS) * c.max_seqs + 3) & ~int64_t(3);
+}
+
 // Word offsets of the state regions.
 struct BlinkStateLayout {
   int64_t counters, scalars, taken, queue, busy, free_pages, order, free_lanes, new_lanes, step_lanes,
@@ -183,9 +189,8 @@ struct BlinkStateLayout {
     free_lanes = order + c.max_seqs;
     new_lanes = free_lanes + c.max_seqs;
     step_lanes = new_lanes + c.max_seqs;
-    lanes = (step_lanes + c.max_seqs + 3) & ~int64_t(3);  // 16-byte aligned: the CUDA
-                                                          // kernels copy it in 16-byte words
-    stop_ids = lanes + L_NUM_FIELDS * c.max_seqs;
+    lanes = (step_lanes + c.max_seqs + 3) & ~int64_t(3);  // 16-byte aligned (see above)
+    stop_ids = lanes + blink_lane_words(c);
     scratch_a = stop_ids + BLINK_MAX_STOP_IDS * c.max_seqs;
     scratch_b = scratch_a + wide;
     scratch_c = scratch_b + wide;

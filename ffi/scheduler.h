@@ -34,7 +34,7 @@ struct BlinkHotLayout {
   BLINK_HD explicit BlinkHotLayout(const BlinkSchedConfig& c) {
     hot_words = BlinkStateLayout(c).scalars + S_NUM_SCALARS;  // counters start at word 0
     lanes = (hot_words + 3) & ~int64_t(3);                     // 16-byte aligned
-    lane_words = int64_t(L_NUM_FIELDS) * c.max_seqs;
+    lane_words = blink_lane_words(c);
     lscratch = lanes + lane_words;
     lscratch_len = (c.max_seqs > BLINK_MAX_WORKERS ? c.max_seqs : BLINK_MAX_WORKERS) + 1;
     total = lscratch + 4 * lscratch_len;

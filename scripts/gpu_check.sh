@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA handlers, run the GPU tests, run the benchmarks.
-# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|schedab|executor|fused|warmup|hlo|dotsr|xlaflags|pallas|norm|ffw|profile|stepprofile|prefill|hostdiag|hostgraph|hf|serving|step|all]...
+# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|bisect|diag|overhead|sched|schedab|executor|variants|fused|warmup|hlo|dotsr|xlaflags|pallas|norm|ffw|profile|stepprofile|prefill|hostdiag|hostgraph|hf|serving|step|all]...
 # Results: bench/results/*.json (commit them) and copies plus logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,7 +55,8 @@ fi
 
 if has tests; then
   log "gpu tests"
-  timeout ${TESTS_TIMEOUT:-500} python3 -m pytest -m gpu ${GPU_TESTS:-tests/test_scheduler_backends.py tests/test_engine_gpu.py tests/test_device_region.py tests/test_pallas_attention.py tests/test_pallas_norm.py tests/test_pallas_prefill.py tests/test_pallas_ffw.py tests/test_pallas_out.py tests/test_cuda_gemv.py} \
+  # TESTS_ENV: VAR=value,... for the tests only (e.g. BLINK_CUDA_GEMV=1)
+  env ${TESTS_ENV//,/ } timeout ${TESTS_TIMEOUT:-500} python3 -m pytest -m gpu ${GPU_TESTS:-tests/test_scheduler_backends.py tests/test_engine_gpu.py tests/test_device_region.py tests/test_pallas_attention.py tests/test_pallas_norm.py tests/test_pallas_prefill.py tests/test_pallas_ffw.py tests/test_pallas_out.py tests/test_cuda_gemv.py} \
     -q -s -p no:cacheprovider 2>&1 | tail -40 | tee -a "$OUT/log.txt"
 fi
 if has diag; then
@@ -125,6 +126,17 @@ fi
 if has executor; then
   log "executor latency (Gemma 3 1B shape, bf16)"
   exec_bench "" 25 --batches 1,64
+fi
+if has variants; then
+  # EXEC_VARIANTS: name:VAR=value,... (environment of the engine; "base:" = defaults), run in
+  # order; EXEC_BATCHES (default 1,64); persistent mode, quiet.
+  log "engine per-token latency per environment: ${EXEC_VARIANTS:=base: gemv:BLINK_CUDA_GEMV=1}"
+  for v in $EXEC_VARIANTS; do
+    name=${v%%:*} envs=${v#*:}
+    ( [[ -n $envs ]] && export ${envs//,/ }
+      exec_bench variant_$name 6 --batches ${EXEC_BATCHES:-1,64} --modes persistent \
+        --interference 0 ) | sed "s/^/$name /"
+  done
 fi
 if has fused; then
   log "fused step (one scheduler call per step), persistent mode"
@@ -277,5 +289,9 @@ if has step; then
   timeout 400 python3 scripts/bench_step.py --config gemma3-1b --out bench/results/step_h200.json \
     ${STEP_ARGS:-} 2>&1 | grep -v "^[IW]1" | tail -16 | tee -a "$OUT/log.txt"
   cp bench/results/step_h200.json "$OUT/" 2>/dev/null
+fi
+# PACK=1: the JSON results as one archive (the device tool brings back a few files only).
+if [[ -n ${PACK:-} ]]; then
+  (cd "$OUT" && tar czf results.tgz --remove-files $(ls *.json 2>/dev/null))
 fi
 log "done"

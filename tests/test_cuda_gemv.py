@@ -42,12 +42,20 @@ def test_matmul_is_the_product_in_the_input_dtype():
   np.testing.assert_allclose(np.asarray(got), np.asarray(x @ w), atol=1e-5, rtol=1e-5)
 
 
-def test_default_splits_cover_the_gpu_in_powers_of_two():
-  # Gemma 3 1B's projections: down [6912, 1152], gate/up [1152, 13824], q/k/v [1152, 1536].
-  assert cuda_gemv.default_splits(6912, 1152) == 16   # 18 column blocks x 16
-  assert cuda_gemv.default_splits(1152, 13824) == 2   # 216 x 2
-  assert cuda_gemv.default_splits(1152, 1536) == 16   # 24 x 16
+def test_default_splits_put_every_load_in_flight_and_cover_the_gpu():
+  # Gemma 3 1B's projections at batch 1: down [6912, 1152] needs 27 splits for one pass of
+  # 32 x 8 rows per block; q/k/v [1152, 1536] and out [1024, 1152] need 16 to cover the GPU
+  # (24 and 18 column blocks); gate/up [1152, 13824] needs 5 for one pass.
+  assert cuda_gemv.default_splits(6912, 1152) == 32
+  assert cuda_gemv.default_splits(1152, 1536) == 16
+  assert cuda_gemv.default_splits(1024, 1152) == 16
+  assert cuda_gemv.default_splits(1152, 13824) == 8
+  assert cuda_gemv.default_splits(6912, 1152, tokens=8) == 32  # capped: partials cost bytes
   assert cuda_gemv.default_splits(64, 64) == 2        # at least 32 rows per split
+  for tokens in range(1, cuda_gemv.MAX_TOKENS + 1):
+    for k, n in ((6912, 1152), (1152, 1536), (100, 64), (1, 64)):
+      s = cuda_gemv.default_splits(k, n, tokens)
+      assert s & (s - 1) == 0 and 1 <= s <= 32 and (s == 1 or k // s >= 32)
 
 
 def test_rejects_what_it_cannot_run():
@@ -86,7 +94,7 @@ def test_cuda_kernel_matches_the_jnp_partials_on_the_gpu():
   for tokens in (1, 3, 8):
     for k, n in shapes:
       x, w = _case(rng, tokens, k, n, jnp.bfloat16)
-      for splits in (1, cuda_gemv.default_splits(k, n), min(k, 64)):
+      for splits in (1, cuda_gemv.default_splits(k, n, tokens), min(k, 64)):
         got = jax.jit(lambda a, b, s=splits: cuda_gemv.partials(a, b, s, use_kernel=True))(x, w)
         want = cuda_gemv.reference_partials(x, w, splits)
         # bf16 products are exact in f32: only the order of the sums differs.

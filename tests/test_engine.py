@@ -359,12 +359,15 @@ def test_pallas_prefill_kernel_equals_the_dense_reference(model, dense, monkeypa
                                       ("pallas_ffw", "pallas_out"), ("cuda_gemv", "pallas_out")])
 def test_partial_sum_kernels_equal_the_dense_reference(model, dense, monkeypatch, switches):
   # Steps of up to 8 tokens run the fused down projection (BLINK_PALLAS_FFW=1; or the GEMV
-  # of BLINK_CUDA_GEMV=1, jnp partial sums off the GPU) and/or the merge inside the output
+  # for all four projections, jnp partial sums off the GPU) and/or the merge inside the output
   # projection (BLINK_PALLAS_OUT=1), whose partial sums the add + norm kernel adds up;
   # larger buckets keep XLA's matmuls.
   import importlib
   for name in switches:
-    monkeypatch.setattr(importlib.import_module(f"blink_jax.{name}"), "ENABLED", True)
+    module = importlib.import_module(f"blink_jax.{name}")
+    # The GEMV takes every projection it can (the output's before the merge kernel).
+    on = module.projections_from("qkv+out+down+gate_up") if name == "cuda_gemv" else True
+    monkeypatch.setattr(module, "ENABLED", on)
   _pallas_engine_equals_the_dense_reference(model, dense)
 
 

@@ -106,19 +106,26 @@ def test_small_steps_run_the_partial_sum_kernels_when_enabled(monkeypatch, modul
   assert kernel not in _lowered_step(cfg, "pallas", "reference", 1)
 
 
-def test_cuda_gemv_takes_the_down_projection_of_small_steps(monkeypatch):
-  # BLINK_CUDA_GEMV=1: two blink_gemv custom calls per layer in a bucket-1 step, the gate/up
-  # and the down projection (the fused Pallas down projection, if also on, is not used),
-  # none in a bucket-64 step.
-  from blink_jax import cuda_gemv, pallas_ffw
-  monkeypatch.setattr(cuda_gemv, "ENABLED", True)
+@pytest.mark.parametrize("value,names", [
+    ("1", ("qkv_fn", "out_fn", "ffw_down_fn")),
+    ("qkv+out+down+gate_up", ("qkv_fn", "out_fn", "ffw_down_fn", "gate_up_fn")),
+    ("down", ("ffw_down_fn",))])
+def test_cuda_gemv_takes_the_chosen_projections_of_small_steps(monkeypatch, value, names):
+  # BLINK_CUDA_GEMV: one blink_gemv custom call per chosen projection and layer in a
+  # bucket-1 step (the fused Pallas down projection and the merge + output projection, if
+  # also on, are not used), none in a bucket-64 step.
+  from blink_jax import cuda_gemv, pallas_ffw, pallas_out
+  monkeypatch.setattr(cuda_gemv, "ENABLED", cuda_gemv.projections_from(value))
   monkeypatch.setattr(pallas_ffw, "ENABLED", True)
+  monkeypatch.setattr(pallas_out, "ENABLED", True)
   cfg = get_config("gemma3-270m")
-  for tokens, per_layer in ((1, 1), (64, 0)):
+  for tokens, per_layer in ((1, len(names)), (64, 0)):
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Gemma(cfg, dtype=jnp.bfloat16)))
     kernels = step_kernels(cfg, "pallas", "pallas", tokens, interpret=False)
-    assert (kernels["ffw_down_fn"] is not None) == (per_layer == 1)
-    assert (kernels["gate_up_fn"] is not None) == (per_layer == 1)
+    for name in ("qkv_fn", "out_fn", "ffw_down_fn", "gate_up_fn"):
+      on = kernels[name] is not None and getattr(kernels[name], "func", None) in (
+          cuda_gemv.matmul, cuda_gemv.out_project, cuda_gemv.ffw_down)
+      assert on == (name in names and tokens == 1), (name, tokens)
 
     def step(state, kv, tokens, positions, seq_ids, page_table):
       return nnx.merge(graphdef, state).forward(tokens, positions, seq_ids, page_table, kv,
@@ -126,5 +133,16 @@ def test_cuda_gemv_takes_the_down_projection_of_small_steps(monkeypatch):
     kv = jax.eval_shape(lambda: init_kv_cache(cfg, 64, 16, jnp.bfloat16))
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     text = lower_for_cuda(step, state, kv, i32(tokens), i32(tokens), i32(tokens), i32(4, 16))
-    assert text.count("@blink_gemv") == 2 * cfg.num_layers * per_layer  # gate/up, down
-    assert "blink_ffw_down" not in text
+    assert text.count("@blink_gemv") == cfg.num_layers * per_layer
+    if tokens == 1:
+      assert "blink_ffw_down" not in text and ("blink_merge_out" in text) == (
+          "out_fn" not in names)
+
+
+def test_cuda_gemv_projection_names():
+  from blink_jax import cuda_gemv
+  assert cuda_gemv.projections_from("0") == frozenset()
+  assert cuda_gemv.projections_from("1") == {"qkv", "out", "down"}
+  assert cuda_gemv.projections_from("down,gate_up") == {"down", "gate_up"}
+  with pytest.raises(ValueError, match=r"BLINK_CUDA_GEMV='qkv\+oops': unknown .*\['oops'\]"):
+    cuda_gemv.projections_from("qkv+oops")
