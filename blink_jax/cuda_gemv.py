@@ -39,13 +39,24 @@ def projections_from(value: str) -> frozenset[str]:
   return names
 
 
-ENABLED = projections_from(os.environ.get("BLINK_CUDA_GEMV", "0"))  # the projections it runs
+_SETTING = os.environ.get("BLINK_CUDA_GEMV", "auto")
+# The projections it runs; unset or "auto": DEFAULT_PROJECTIONS where the kernel runs (a GPU
+# engine), none elsewhere (`kernels.step_kernels`).
+AUTO = _SETTING == "auto"
+ENABLED = projections_from("1" if AUTO else _SETTING)
 MAX_TOKENS = 8      # rows per call (ffi/gemv_cuda.cu kMaxTokens)
 COLUMNS = 64          # output columns per block (ffi/gemv_cuda.cu kColumns)
 _TARGET_BLOCKS = 264  # about two blocks per SM of an H200 (132 SMs)
 _MIN_ROWS = 32        # rows of K per split: one per row group of a block
 _GROUPS = 32          # rows a block reads at once (ffi/gemv_cuda.cu kGroups)
 _MAX_SPLITS = 32      # partial sums cost T x N x 4 bytes each, written and read again
+
+
+def active(interpret: bool) -> frozenset[str]:
+  """The projections small steps run through the GEMV: ENABLED, but with BLINK_CUDA_GEMV
+  unset ("auto") none where the step's kernels are interpreted (off the GPU; the jnp
+  stand-in only when a projection is named, as tests do)."""
+  return frozenset() if AUTO and interpret else ENABLED
 
 
 def rows_in_flight(tokens: int) -> int:

@@ -162,7 +162,7 @@ class Engine:
 
     from blink_jax import executor as X
     from blink_jax import ffi as F
-    from blink_jax import kernels
+    from blink_jax import cuda_gemv, kernels
 
     if mode not in ("persistent", "host"):
       raise ValueError(f"mode must be 'persistent' or 'host', got {mode!r}")
@@ -226,9 +226,11 @@ class Engine:
                                  device=self.device, fused_step=fused_step, attention=attention,
                                  norm=norm)
       log.info("engine: model %s (%s, %d layers), dtype %s, device %s, mode %s, max_seqs %d, "
-               "kv pages %d x %d, buckets %s, attention %s, norm %s, experimental kernels %s",
+               "kv pages %d x %d, buckets %s, attention %s, norm %s, CUDA GEMV for %s, "
+               "experimental kernels %s",
                model_name, cfg.name, cfg.num_layers, model.dtype, self.device, mode, max_seqs,
                kv_pages, page_size, list(buckets), self.executor.attention, self.executor.norm,
+               sorted(cuda_gemv.active(interpret=not on_gpu)) or "none",
                kernels.experimental_kernels() or "off")
       carry = self.executor.initial_carry()
       self.compiled = self.executor.compile(carry, mode)

@@ -11,11 +11,12 @@ from blink_jax.model import add_rms_norm
 
 
 def experimental_kernels() -> list[str]:
-  """The kernels switched on by environment variables (not yet measured on a GPU)."""
+  """The non-default kernels switched on by environment variables."""
   return [name for name, on in (("BLINK_PALLAS_PREFILL", pallas_prefill.ENABLED),
                                 ("BLINK_PALLAS_FFW", pallas_ffw.ENABLED),
                                 ("BLINK_PALLAS_OUT", pallas_out.ENABLED),
-                                ("BLINK_CUDA_GEMV", cuda_gemv.ENABLED)) if on]
+                                ("BLINK_CUDA_GEMV", not cuda_gemv.AUTO and cuda_gemv.ENABLED)
+                                ) if on]
 
 
 def step_kernels(cfg, attention: str, norm: str, rows: int, *, interpret: bool) -> dict:
@@ -42,7 +43,7 @@ def step_kernels(cfg, attention: str, norm: str, rows: int, *, interpret: bool) 
   # add + norm kernel, which adds them up.
   sums_partials = norm == "pallas" and add_norm_fn is not add_rms_norm
   ffw_down_fn = out_fn = gate_up_fn = qkv_fn = None
-  gemv = cuda_gemv.ENABLED
+  gemv = cuda_gemv.active(interpret)
   gemv_fn = lambda f: functools.partial(f, use_kernel=not interpret)  # noqa: E731
   width, heads = cfg.d_model, cfg.num_heads * cfg.head_dim
   qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim

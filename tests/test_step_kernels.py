@@ -92,6 +92,8 @@ def test_prefill_buckets_run_the_prefill_kernel_when_enabled(monkeypatch):
 def test_small_steps_run_the_partial_sum_kernels_when_enabled(monkeypatch, module, kernel,
                                                              replaces):
   import importlib
+  from blink_jax import cuda_gemv
+  monkeypatch.setattr(cuda_gemv, "ENABLED", frozenset())  # it would take these projections
   monkeypatch.setattr(importlib.import_module(f"blink_jax.{module}"), "ENABLED", True)
   cfg = get_config("gemma3-270m")
   layers = cfg.num_layers
@@ -137,6 +139,21 @@ def test_cuda_gemv_takes_the_chosen_projections_of_small_steps(monkeypatch, valu
     if tokens == 1:
       assert "blink_ffw_down" not in text and ("blink_merge_out" in text) == (
           "out_fn" not in names)
+
+
+def test_cuda_gemv_by_default_on_the_gpu_only(monkeypatch):
+  # BLINK_CUDA_GEMV unset: a GPU step takes q/k/v, output and down projections through it; an
+  # interpreted (CPU) step keeps XLA's matmuls.
+  from blink_jax import cuda_gemv
+  monkeypatch.setattr(cuda_gemv, "AUTO", True)
+  monkeypatch.setattr(cuda_gemv, "ENABLED", cuda_gemv.projections_from("1"))
+  cfg = get_config("gemma3-270m")
+  on_gpu = step_kernels(cfg, "pallas", "pallas", 1, interpret=False)
+  on_cpu = step_kernels(cfg, "pallas", "pallas", 1, interpret=True)
+  for name in ("qkv_fn", "out_fn", "ffw_down_fn"):
+    assert on_gpu[name].func in (cuda_gemv.matmul, cuda_gemv.out_project, cuda_gemv.ffw_down)
+    assert on_cpu[name] is None
+  assert on_gpu["gate_up_fn"] is None
 
 
 def test_cuda_gemv_projection_names():
