@@ -25,7 +25,7 @@ was two more kernels per layer.
 from __future__ import annotations
 
 import functools
-import os
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -37,10 +37,6 @@ from blink_jax.config import check_resolved
 from blink_jax.model import add_rms_norm as add_rms_norm_reference
 from blink_jax.model import prepare_qkv as prepare_qkv_reference
 
-# BLINK_NORM_PARTIALS=rows: the add + norm kernel adds partial sums row by row instead of as
-# one [S, chunk] reduction (an A/B switch: with the CUDA GEMV's 16-32 partials the kernel
-# took 5.7 us instead of 2.7, finding 40).
-PARTIALS_BY_ROW = os.environ.get("BLINK_NORM_PARTIALS", "tile") == "rows"
 # Widest chunk a program loads at once (elements of one row).
 _MAX_CHUNK = 1024
 # Narrowest chunk worth a kernel; rows whose width has a smaller power-of-two factor use the
@@ -74,13 +70,11 @@ def _kernel(x_ref, branch_ref, add_w_ref, next_w_ref, x_out_ref, y_ref, *, eps: 
   parts = [pl.ds(start, chunk) for start in range(0, width, chunk)]
   f32 = lambda ref: [ref[p].astype(jnp.float32) for p in parts]
   if len(branch_ref.shape) == 2:  # [S, D] partial sums: added up, rounded as a matmul's output
-    if PARTIALS_BY_ROW:  # S row loads added one by one (no cross-thread reduction)
-      branch = [functools.reduce(lambda a, b: a + b,
-                                 [branch_ref[s, p] for s in range(branch_ref.shape[0])])
-                for p in parts]
-    else:
-      branch = [branch_ref[:, p].sum(axis=0) for p in parts]
-    branch = [b.astype(dtype).astype(jnp.float32) for b in branch]
+    # Row by row: as one [S, chunk] reduction (across threads) the kernel took 5.7 us
+    # instead of 2.7 with the CUDA GEMV's 16-32 partials (docs/NOTES.md finding 40).
+    rows = lambda p: [branch_ref[s, p] for s in range(branch_ref.shape[0])]  # noqa: E731
+    branch = [functools.reduce(operator.add, rows(p)).astype(dtype).astype(jnp.float32)
+              for p in parts]
   else:
     branch = f32(branch_ref)
   xs, add_w, next_w = f32(x_ref), f32(add_w_ref), f32(next_w_ref)
