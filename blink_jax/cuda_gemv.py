@@ -44,6 +44,10 @@ _SETTING = os.environ.get("BLINK_CUDA_GEMV", "auto")
 # engine), none elsewhere (`kernels.step_kernels`).
 AUTO = _SETTING == "auto"
 ENABLED = projections_from("1" if AUTO else _SETTING)
+# BLINK_GEMV_QKV_PARTIALS=1 (experimental, CPU-verified): the q/k/v projection's partial
+# sums go to the Pallas q/k prepare kernel, which adds them up, instead of an XLA fusion
+# (3.3 us per layer at batch 1, docs/NOTES.md finding 40).
+QKV_PARTIALS = os.environ.get("BLINK_GEMV_QKV_PARTIALS", "0") == "1"
 MAX_TOKENS = 8      # rows per call (ffi/gemv_cuda.cu kMaxTokens)
 COLUMNS = 64          # output columns per block (ffi/gemv_cuda.cu kColumns)
 _TARGET_BLOCKS = 264  # about two blocks per SM of an H200 (132 SMs)

@@ -15,8 +15,8 @@ def experimental_kernels() -> list[str]:
   return [name for name, on in (("BLINK_PALLAS_PREFILL", pallas_prefill.ENABLED),
                                 ("BLINK_PALLAS_FFW", pallas_ffw.ENABLED),
                                 ("BLINK_PALLAS_OUT", pallas_out.ENABLED),
-                                ("BLINK_CUDA_GEMV", not cuda_gemv.AUTO and cuda_gemv.ENABLED)
-                                ) if on]
+                                ("BLINK_CUDA_GEMV", not cuda_gemv.AUTO and cuda_gemv.ENABLED),
+                                ("BLINK_GEMV_QKV_PARTIALS", cuda_gemv.QKV_PARTIALS)) if on]
 
 
 def step_kernels(cfg, attention: str, norm: str, rows: int, *, interpret: bool) -> dict:
@@ -48,7 +48,9 @@ def step_kernels(cfg, attention: str, norm: str, rows: int, *, interpret: bool) 
   width, heads = cfg.d_model, cfg.num_heads * cfg.head_dim
   qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
   if "qkv" in gemv and cuda_gemv.usable(rows, width, qkv_width):
-    qkv_fn = gemv_fn(cuda_gemv.matmul)
+    # Partial sums for the Pallas q/k prepare kernel to add up, or added up by XLA.
+    partials = norm == "pallas" and cuda_gemv.QKV_PARTIALS
+    qkv_fn = gemv_fn(cuda_gemv.partials if partials else cuda_gemv.matmul)
   if "gate_up" in gemv and cuda_gemv.usable(rows, width, 2 * cfg.ffw_hidden):
     gate_up_fn = gemv_fn(cuda_gemv.matmul)
   if sums_partials and "down" in gemv and cuda_gemv.usable(rows, cfg.ffw_hidden, width):

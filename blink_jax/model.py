@@ -110,9 +110,12 @@ def split_qkv(qkv: jax.Array, num_heads: int,
 def prepare_qkv(qkv: jax.Array, cos: jax.Array, sin: jax.Array, q_weight: jax.Array | None,
                 k_weight: jax.Array | None, eps: float, kv_pages: jax.Array, slots: jax.Array,
                 *, num_heads: int, num_kv_heads: int) -> tuple[jax.Array, jax.Array]:
-  """The fused projection of a ragged step, qkv [T, (H + 2K) * h] -> the attention's query
-  [T, H, h] (`qk_norm_rope`) and the cache kv_pages with each token's row (keys, then
+  """The fused projection of a ragged step, qkv [T, (H + 2K) * h] (or float32 partial sums of
+  it [S, T, (H + 2K) * h], added up and rounded to the cache's dtype) -> the attention's
+  query [T, H, h] (`qk_norm_rope`) and the cache kv_pages with each token's row (keys, then
   values) written at its `attention.cache_slots` slot."""
+  if qkv.ndim == 3:
+    qkv = qkv.sum(axis=0).astype(kv_pages.dtype)
   q, k, v = split_qkv(qkv, num_heads, num_kv_heads)
   q, k = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)
   return q, write_rows(kv_pages, kv_rows(k, v), slots)
@@ -159,7 +162,8 @@ class Attention(nnx.Module):
     copy each slice of its merged matmul into a buffer of its own. A 2-D matmul: at one row
     XLA's GPU backend compiled a 3-D einsum to a multiply that wrote the whole weight-sized
     product, then a reduce (docs/NOTES.md, finding 18). matmul_fn: that matmul (default
-    `@`)."""
+    `@`; it may return float32 partial sums [S, ..., N] for a prepare function that adds
+    them up)."""
     w = (self.qkv_weight() if fused is None else fused).astype(x.dtype)
     return x @ w if matmul_fn is None else matmul_fn(x, w)
 

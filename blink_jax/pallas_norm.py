@@ -144,7 +144,9 @@ def select_prepare(kind: str, *, query_rows: int | None = None,
 
 def _prepare_kernel(qkv_ref, cos_ref, sin_ref, qw_ref, kw_ref, slots_ref, _, q_out_ref,
                     cache_ref, *, eps: float, normed: bool, num_heads: int):
-  """One token t: qkv_ref [(H + 2K) * h] (the fused projection); cos_ref, sin_ref [h/2];
+  """One token t: qkv_ref [(H + 2K) * h] (the fused projection, or [S, (H + 2K) * h] float32
+  partial sums of it, added up row by row and rounded to the output dtype as the matmul's
+  output would be); cos_ref, sin_ref [h/2];
   qw_ref, kw_ref [h]; slots_ref [T] -> q_out_ref [K, R, h] (query head n at KV head n // G,
   row n % G; rows G.. zero) and its row of cache_ref [P, page_size, 2 * K * h] (rotated
   keys, then values) at slots_ref[t], unless that is past the end. Loads first, stores last
@@ -155,13 +157,18 @@ def _prepare_kernel(qkv_ref, cos_ref, sin_ref, qw_ref, kw_ref, slots_ref, _, q_o
   dtype = q_out_ref.dtype
   first, second = pl.ds(0, half), pl.ds(half, half)
 
+  def load(start, size):
+    if len(qkv_ref.shape) == 1:
+      return qkv_ref[pl.ds(start, size)]
+    rows = [qkv_ref[s, pl.ds(start, size)] for s in range(qkv_ref.shape[0])]
+    return functools.reduce(operator.add, rows).astype(dtype)
+
   def halves(head):
-    return (qkv_ref[pl.ds(head * head_dim, half)].astype(jnp.float32),
-            qkv_ref[pl.ds(head * head_dim + half, half)].astype(jnp.float32))
+    return (load(head * head_dim, half).astype(jnp.float32),
+            load(head * head_dim + half, half).astype(jnp.float32))
   queries = [halves(n) for n in range(num_heads)]
   keys = [halves(num_heads + kv) for kv in range(num_kv)]
-  values = [qkv_ref[pl.ds((num_heads + num_kv + kv) * head_dim, head_dim)]
-            for kv in range(num_kv)]
+  values = [load((num_heads + num_kv + kv) * head_dim, head_dim) for kv in range(num_kv)]
   cos, sin = cos_ref[...], sin_ref[...]
   weights = [(w[first].astype(jnp.float32), w[second].astype(jnp.float32))
              for w in (qw_ref, kw_ref)] if normed else [None, None]
@@ -200,14 +207,18 @@ def prepare_qkv(qkv: jax.Array, cos: jax.Array, sin: jax.Array, q_weight: jax.Ar
                 k_weight: jax.Array | None, eps: float, kv_pages: jax.Array, slots: jax.Array,
                 *, num_heads: int, num_kv_heads: int, query_rows: int | None = None,
                 interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
-  """`model.prepare_qkv` as one kernel: qkv [T, (H + 2K) * h], cos, sin [T, h/2], kv_pages
-  [P, page_size, 2 * K * h], slots [T] (`attention.cache_slots`) -> the query ([T, H, h];
-  with query_rows, [T, K, query_rows, h], grouped by KV head with zero rows after each
-  group) and kv_pages with the tokens' rows written in place (the cache is aliased: no copy
-  of it, no separate scatter kernel)."""
+  """`model.prepare_qkv` as one kernel: qkv [T, (H + 2K) * h] (or float32 partial sums of
+  it [S, T, (H + 2K) * h], `cuda_gemv.partials`, added up in the kernel and rounded to the
+  cache's dtype), cos, sin [T, h/2], kv_pages [P, page_size, 2 * K * h], slots [T]
+  (`attention.cache_slots`) -> the query ([T, H, h]; with query_rows, [T, K, query_rows,
+  h], grouped by KV head with zero rows after each group) in the projection's (or the
+  cache's) dtype and kv_pages with the tokens' rows written in place (the cache is aliased:
+  no copy of it, no separate scatter kernel)."""
   if interpret is None:
     interpret = jax.devices()[0].platform != "gpu"
-  tokens, width = qkv.shape
+  partial = qkv.ndim == 3
+  tokens, width = qkv.shape[-2:]
+  dtype = kv_pages.dtype if partial else qkv.dtype
   heads = num_heads + 2 * num_kv_heads
   head_dim = width // heads
   group = num_heads // max(num_kv_heads, 1)
@@ -215,25 +226,27 @@ def prepare_qkv(qkv: jax.Array, cos: jax.Array, sin: jax.Array, q_weight: jax.Ar
   if (not num_kv_heads or num_heads % num_kv_heads or width % heads or head_dim % 2
       or cos.shape != (tokens, head_dim // 2) or sin.shape != cos.shape or rows < group
       or kv_pages.ndim != 3 or kv_pages.shape[2] != 2 * num_kv_heads * head_dim
-      or slots.shape != (tokens,)):
+      or slots.shape != (tokens,) or qkv.ndim not in (2, 3)):
     raise ValueError(f"prepare_qkv: qkv {qkv.shape}, {num_heads} query and {num_kv_heads} KV "
                      f"heads, cos {cos.shape}, sin {sin.shape}, query_rows {query_rows}, "
                      f"kv_pages {kv_pages.shape}, slots {slots.shape} do not match")
   normed = q_weight is not None
   if not normed:  # the kernel's signature is fixed: unused weights
-    q_weight = k_weight = jnp.zeros((head_dim,), qkv.dtype)
+    q_weight = k_weight = jnp.zeros((head_dim,), dtype)
 
   def per_token(*shape):
     return pl.BlockSpec((None, *shape), lambda t: (t,) + (0,) * len(shape))
   whole = lambda shape: pl.BlockSpec(shape, lambda t: (0,) * len(shape))
+  qkv_spec = (pl.BlockSpec((qkv.shape[0], None, width), lambda t: (0, t, 0)) if partial
+              else per_token(width))
   query, kv_pages = pl.pallas_call(
       functools.partial(_prepare_kernel, eps=eps, normed=normed, num_heads=num_heads),
       grid=(tokens,),
-      in_specs=[per_token(width), per_token(head_dim // 2), per_token(head_dim // 2),
+      in_specs=[qkv_spec, per_token(head_dim // 2), per_token(head_dim // 2),
                 whole((head_dim,)), whole((head_dim,)), whole((tokens,)),
                 whole(kv_pages.shape)],
       out_specs=[per_token(num_kv_heads, rows, head_dim), whole(kv_pages.shape)],
-      out_shape=[jax.ShapeDtypeStruct((tokens, num_kv_heads, rows, head_dim), qkv.dtype),
+      out_shape=[jax.ShapeDtypeStruct((tokens, num_kv_heads, rows, head_dim), dtype),
                  jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype)],
       input_output_aliases={6: 1},
       interpret=interpret,

@@ -371,6 +371,16 @@ def test_partial_sum_kernels_equal_the_dense_reference(model, dense, monkeypatch
   _pallas_engine_equals_the_dense_reference(model, dense)
 
 
+def test_qkv_partials_summed_by_the_prepare_kernel_equal_the_dense_reference(model, dense,
+                                                                          monkeypatch):
+  # BLINK_GEMV_QKV_PARTIALS=1: the q/k/v GEMV's partial sums (jnp off the GPU) go to the q/k
+  # prepare kernel, which adds them up.
+  from blink_jax import cuda_gemv
+  monkeypatch.setattr(cuda_gemv, "ENABLED", cuda_gemv.projections_from("1"))
+  monkeypatch.setattr(cuda_gemv, "QKV_PARTIALS", True)
+  _pallas_engine_equals_the_dense_reference(model, dense)
+
+
 def test_unknown_kernels_are_refused(model):
   with pytest.raises(ValueError, match="attention must be one of"):
     Engine(model, None, attention="flash", **ENGINE_KW)

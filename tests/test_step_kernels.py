@@ -156,6 +156,17 @@ def test_cuda_gemv_by_default_on_the_gpu_only(monkeypatch):
   assert on_gpu["gate_up_fn"] is None
 
 
+def test_qkv_partials_go_to_the_pallas_prepare_kernel_only(monkeypatch):
+  from blink_jax import cuda_gemv
+  monkeypatch.setattr(cuda_gemv, "ENABLED", cuda_gemv.projections_from("qkv"))
+  monkeypatch.setattr(cuda_gemv, "QKV_PARTIALS", True)
+  cfg = get_config("gemma3-270m")
+  assert step_kernels(cfg, "pallas", "pallas", 1, interpret=False)["qkv_fn"].func is (
+      cuda_gemv.partials)
+  assert step_kernels(cfg, "pallas", "reference", 1, interpret=False)["qkv_fn"].func is (
+      cuda_gemv.matmul)
+
+
 def test_cuda_gemv_projection_names():
   from blink_jax import cuda_gemv
   assert cuda_gemv.projections_from("0") == frozenset()
