@@ -349,10 +349,9 @@ class Gemma(nnx.Module):
     norm) and on the attention output's (`out_fn`, default `Attention.out`:
     `pallas_out.merge_out_project` takes the attention's unmerged splits); `gate_up_fn`
     and `qkv_fn` run the gate/up and the q/k/v projections' matmuls (`cuda_gemv.matmul` for
-    small GPU steps). fused:
-    each layer's `Block.fused_weights`, made once by the caller (the executor
-    does, so no step concatenates weights; without them every step does, which inside the
-    serving loop XLA hoists but a host-driven step cannot).
+    small GPU steps). fused: each layer's `Block.fused_weights`, made once by the caller
+    (the executor does, so no step concatenates weights; without them every step does,
+    which inside the serving loop XLA hoists but a host-driven step cannot).
     """
     attention_fn = paged_attention_reference if attention_fn is None else attention_fn
     prepare_fn = prepare_qkv if prepare_fn is None else prepare_fn

@@ -58,6 +58,13 @@ def select(kind: str, width: int, *, interpret: bool | None = None):
   return add_rms_norm_reference
 
 
+def _sum_rows(ref, index):
+  """ref [S, ...] float32 partial sums: the S rows at `index` added one by one. As one
+  [S, chunk] reduction (across threads) the add + norm kernel took 5.7 us instead of 2.7
+  with the CUDA GEMV's 16-32 partials (docs/NOTES.md finding 40)."""
+  return functools.reduce(operator.add, [ref[s, index] for s in range(ref.shape[0])])
+
+
 def _kernel(x_ref, branch_ref, add_w_ref, next_w_ref, x_out_ref, y_ref, *, eps: float,
             chunk: int):
   """One row: x_ref, branch_ref [D] (or [S, D] float32 partial sums of the branch);
@@ -70,11 +77,7 @@ def _kernel(x_ref, branch_ref, add_w_ref, next_w_ref, x_out_ref, y_ref, *, eps: 
   parts = [pl.ds(start, chunk) for start in range(0, width, chunk)]
   f32 = lambda ref: [ref[p].astype(jnp.float32) for p in parts]
   if len(branch_ref.shape) == 2:  # [S, D] partial sums: added up, rounded as a matmul's output
-    # Row by row: as one [S, chunk] reduction (across threads) the kernel took 5.7 us
-    # instead of 2.7 with the CUDA GEMV's 16-32 partials (docs/NOTES.md finding 40).
-    rows = lambda p: [branch_ref[s, p] for s in range(branch_ref.shape[0])]  # noqa: E731
-    branch = [functools.reduce(operator.add, rows(p)).astype(dtype).astype(jnp.float32)
-              for p in parts]
+    branch = [_sum_rows(branch_ref, p).astype(dtype).astype(jnp.float32) for p in parts]
   else:
     branch = f32(branch_ref)
   xs, add_w, next_w = f32(x_ref), f32(add_w_ref), f32(next_w_ref)
@@ -160,8 +163,7 @@ def _prepare_kernel(qkv_ref, cos_ref, sin_ref, qw_ref, kw_ref, slots_ref, _, q_o
   def load(start, size):
     if len(qkv_ref.shape) == 1:
       return qkv_ref[pl.ds(start, size)]
-    rows = [qkv_ref[s, pl.ds(start, size)] for s in range(qkv_ref.shape[0])]
-    return functools.reduce(operator.add, rows).astype(dtype)
+    return _sum_rows(qkv_ref, pl.ds(start, size)).astype(dtype)
 
   def halves(head):
     return (load(head * head_dim, half).astype(jnp.float32),
@@ -216,6 +218,9 @@ def prepare_qkv(qkv: jax.Array, cos: jax.Array, sin: jax.Array, q_weight: jax.Ar
   no copy of it, no separate scatter kernel)."""
   if interpret is None:
     interpret = jax.devices()[0].platform != "gpu"
+  if qkv.ndim not in (2, 3):
+    raise ValueError(f"prepare_qkv: qkv {qkv.shape} is neither [T, W] nor partial sums "
+                     "[S, T, W]")
   partial = qkv.ndim == 3
   tokens, width = qkv.shape[-2:]
   dtype = kv_pages.dtype if partial else qkv.dtype
@@ -226,7 +231,7 @@ def prepare_qkv(qkv: jax.Array, cos: jax.Array, sin: jax.Array, q_weight: jax.Ar
   if (not num_kv_heads or num_heads % num_kv_heads or width % heads or head_dim % 2
       or cos.shape != (tokens, head_dim // 2) or sin.shape != cos.shape or rows < group
       or kv_pages.ndim != 3 or kv_pages.shape[2] != 2 * num_kv_heads * head_dim
-      or slots.shape != (tokens,) or qkv.ndim not in (2, 3)):
+      or slots.shape != (tokens,)):
     raise ValueError(f"prepare_qkv: qkv {qkv.shape}, {num_heads} query and {num_kv_heads} KV "
                      f"heads, cos {cos.shape}, sin {sin.shape}, query_rows {query_rows}, "
                      f"kv_pages {kv_pages.shape}, slots {slots.shape} do not match")
