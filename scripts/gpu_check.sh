@@ -29,6 +29,9 @@ dump_hlo() {  # NAME [dump_engine_hlo flags...]
   gzip -f "$file"  # its bucket-1 kernel list (..._bucket1_kernels.txt) stays beside it
 }
 
+# The device's copy of the tree may carry a stale .git: results name BLINK_GIT_REVISION, to be
+# given literally by the caller (a $(git rev-parse ...) in the device command runs there).
+[[ -n ${BLINK_GIT_REVISION:-} ]] || echo "== BLINK_GIT_REVISION unset: results name the device's .git HEAD ($(git rev-parse --short HEAD 2>/dev/null)), which may be stale" | tee -a "$OUT/log.txt"
 log "device"; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv \
   2>&1 | tee -a "$OUT/log.txt"; python3 -c "import jax; print(jax.__version__, jax.devices())" \
   2>&1 | tail -1 | tee -a "$OUT/log.txt"
