@@ -293,8 +293,9 @@ if has step; then
     ${STEP_ARGS:-} 2>&1 | grep -v "^[IW]1" | tail -16 | tee -a "$OUT/log.txt"
   cp bench/results/step_h200.json "$OUT/" 2>/dev/null
 fi
-# PACK=1: the JSON results as one archive (the device tool brings back a few files only).
-if [[ -n ${PACK:-} ]]; then
+# The JSON results as one archive, results.tgz (the device tool brings back a few files
+# only); PACK=0 leaves them as files.
+if [[ ${PACK:-1} != 0 ]]; then
   (cd "$OUT" && tar czf results.tgz --remove-files $(ls *.json 2>/dev/null))
 fi
 log "done"
