@@ -295,7 +295,7 @@ if has step; then
 fi
 # The JSON results as one archive, results.tgz (the device tool brings back a few files
 # only); PACK=0 leaves them as files.
-if [[ ${PACK:-1} != 0 ]]; then
+if [[ ${PACK:-1} != 0 ]] && compgen -G "$OUT/*.json" >/dev/null; then
   (cd "$OUT" && tar czf results.tgz --remove-files $(ls *.json 2>/dev/null))
 fi
 log "done"
