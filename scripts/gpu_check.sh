@@ -20,6 +20,8 @@ exec_bench() {  # NAME LINES [bench_executor flags...]
     --tokens 128 --out "$file" "$@" 2>&1 | grep -v "^[IW]1" | tail -$lines | tee -a "$OUT/log.txt"
   cp "$file" "$OUT/" 2>/dev/null
 }
+# VAR=value,... (a variant's or the tests' environment) exported in the calling (sub)shell.
+export_vars() { [[ -z $1 ]] || export ${1//,/ }; }
 # The compiled 1B-shape serving loop into $OUT/loop_hlo_1b[_NAME].txt.gz: copies of the KV
 # cache, the loop report and kernels per bucket branch.
 dump_hlo() {  # NAME [dump_engine_hlo flags...]
@@ -59,8 +61,9 @@ fi
 if has tests; then
   log "gpu tests"
   # TESTS_ENV: VAR=value,... for the tests only (e.g. BLINK_CUDA_GEMV=1)
-  env ${TESTS_ENV:+${TESTS_ENV//,/ }} timeout ${TESTS_TIMEOUT:-500} python3 -m pytest -m gpu ${GPU_TESTS:-tests/test_scheduler_backends.py tests/test_engine_gpu.py tests/test_device_region.py tests/test_pallas_attention.py tests/test_pallas_norm.py tests/test_pallas_prefill.py tests/test_pallas_ffw.py tests/test_pallas_out.py tests/test_cuda_gemv.py} \
-    -q -s -p no:cacheprovider 2>&1 | tail -40 | tee -a "$OUT/log.txt"
+  ( export_vars "${TESTS_ENV:-}"
+    timeout ${TESTS_TIMEOUT:-500} python3 -m pytest -m gpu ${GPU_TESTS:-tests/test_scheduler_backends.py tests/test_engine_gpu.py tests/test_device_region.py tests/test_pallas_attention.py tests/test_pallas_norm.py tests/test_pallas_prefill.py tests/test_pallas_ffw.py tests/test_pallas_out.py tests/test_cuda_gemv.py} \
+      -q -s -p no:cacheprovider ) 2>&1 | tail -40 | tee -a "$OUT/log.txt"
 fi
 if has diag; then
   log "why XLA does or does not build a device WHILE (VLOG of the command-buffer pass)"
@@ -136,7 +139,7 @@ if has variants; then
   log "engine per-token latency per environment: ${EXEC_VARIANTS:=base: gemv:BLINK_CUDA_GEMV=1}"
   for v in $EXEC_VARIANTS; do
     name=${v%%:*} envs=${v#*:}
-    ( [[ -n $envs ]] && export ${envs//,/ }
+    ( export_vars "$envs"
       exec_bench variant_$name 6 --batches ${EXEC_BATCHES:-1,64} --modes persistent \
         --interference 0 ) | sed "s/^/$name /"
   done
@@ -234,9 +237,10 @@ if has stepprofile; then
     name=${v%%:*} envs=${v#*:}
     for b in ${PROFILE_BATCHES:-1 64}; do
       rm -rf /tmp/step_profile
-      env ${envs//,/ } timeout 200 python3 scripts/bench_step.py --config gemma3-1b --batches $b \
-        --prefill "" --noscheduler --nocommand_buffers --profile /tmp/step_profile \
-        --profile_steps 20 --out "$OUT/step_profiled_${name}_b$b.json" 2>&1 | grep -v "^[IW]1" \
+      ( export_vars "$envs"
+        timeout 200 python3 scripts/bench_step.py --config gemma3-1b --batches $b --prefill "" \
+          --noscheduler --nocommand_buffers --profile /tmp/step_profile --profile_steps 20 \
+          --out "$OUT/step_profiled_${name}_b$b.json" ) 2>&1 | grep -v "^[IW]1" \
         | tail -1 | sed "s/^/$name /" | tee -a "$OUT/log.txt"
       suffix=$([[ $name == base ]] || echo "_$name")
       python3 scripts/kernel_profile.py --trace /tmp/step_profile/decode_b$b --iterations 20 \
