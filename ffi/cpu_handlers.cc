@@ -66,7 +66,8 @@ ffi::Error StepImpl(ffi::Buffer<ffi::S32> state, ffi::Buffer<ffi::S32> history,
   BlinkSched S(c, reinterpret_cast<uint8_t*>(c.mailbox), state_out->typed_data(),
                history_out->typed_data(), page_table_out->typed_data(), batch_out->typed_data());
   S.commit(HostExec{}, blink::StepOutputs(sampled, logprobs, top_ids, top_lps, row_lps,
-                                          row_top_ids, row_top_lps));
+                                          row_top_ids, row_top_lps),
+           /*publish=*/false);
   S.schedule(HostExec{});
   return ffi::Error::Success();
 }

@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kThreads) step_kernel(BlinkSchedConfig c, int3
   __shared__ int32_t scratch[kThreads / 32 + 1];
   BlinkSched S(c, reinterpret_cast<uint8_t*>(c.mailbox), st, hist, pt, batch);
   with_hot_state(S, st, shared, C_COMMIT_NS, [&](BlinkSched& s) {
-    s.commit(DeviceExec{scratch}, step);
+    s.commit(DeviceExec{scratch}, step, /*publish=*/false);
     __syncthreads();
     s.schedule(DeviceExec{scratch});
   });

@@ -774,9 +774,11 @@ struct BlinkSched {
     });
   }
 
-  // Appends the sampled tokens, checks stop conditions, frees finished requests.
+  // Appends the sampled tokens, checks stop conditions, frees finished requests. The fused
+  // step leaves the header's counters to the schedule that follows (`publish` false): 15
+  // fewer writes across PCIe per step.
   template <class X>
-  BLINK_HD void commit(const X& x, const BlinkStepOutputs& step) const {
+  BLINK_HD void commit(const X& x, const BlinkStepOutputs& step, bool publish = true) const {
     const int32_t* sampled = step.sampled;
     const float *logprobs = step.logprobs, *top_lps = step.top_lps;
     const int32_t* top_ids = step.top_ids;
@@ -804,7 +806,6 @@ struct BlinkSched {
                   top_ids + i * top_k_cols, top_lps + i * top_k_cols, top_k_cols);
       lane(L_OUT_COUNT, l) = int32_t(e + 1);
       blink_store<uint64_t>(o + OUT_OFF(token_ns), X_now_ns());
-      blink_store_release<uint32_t>(o + OUT_OFF(count), e + 1);
       lane(L_LEN, l) = len + 1;
       lane(L_GENERATED, l) += 1;
       int32_t finish = BLINK_FINISH_NONE;
@@ -821,13 +822,19 @@ struct BlinkSched {
         s(S_ANY_FINISH) = 1;
       }
     });
+    // Each sampled lane's count, published after its entry and timestamp above.
+    x.publish(nsamples, [&](int64_t i) {
+      const int32_t l = sample_array(BS_LANES)[i];
+      if (l >= 0)
+        blink_store<uint32_t>(out(lane(L_SLOT, l)) + OUT_OFF(count), uint32_t(lane(L_OUT_COUNT, l)));
+    });
     if (s(S_ANY_FINISH)) release_finished(x);
     x.serial([&] {
       if (batch[B_NUM_ROWS] > 0) counter(C_STEPS)++;
       counter(C_TOKENS_GENERATED) += uint64_t(nsamples);
       counter(C_PROMPT_TOKENS) += uint64_t(s(S_PROMPT_ROWS));
       s(S_PROMPT_ROWS) = 0;
-      publish_counters();
+      if (publish) publish_counters();
     });
   }
 #undef REQ_OFF
