@@ -13,6 +13,8 @@
 namespace ffi = xla::ffi;
 
 namespace {
+// One block per kernel (`__launch_bounds__(kThreads, 1)`): ptxas may then use up to 128
+// registers a thread; left to its default it capped the kernels at 64 and spilled.
 constexpr int kThreads = 512;
 // Dynamic shared memory a launch may use without opting in (cudaFuncSetAttribute is not a
 // stream operation, so it cannot be recorded into a command buffer).
@@ -51,16 +53,26 @@ __device__ void with_hot_state(BlinkSched& S, int32_t* st, bool shared, int time
   block_copy(st + S.lay.lanes, S.lanes, h.lane_words);
 }
 
-__global__ void __launch_bounds__(kThreads) schedule_kernel(BlinkSchedConfig c, int32_t* st,
+// The schedule's poll words, loaded by thread i for index i (as DeviceExec::sum_then_lead
+// assigns them) before any other work: the loads cross PCIe (~1-2 us) while the kernel copies
+// its hot state and, in the fused step, commits; the schedule then reads them from registers.
+static_assert(kThreads > BLINK_MAX_WORKERS, "one poll word per thread");
+__device__ uint64_t early_poll(const BlinkSched& S) {
+  return threadIdx.x <= BLINK_MAX_WORKERS ? S.poll_word(threadIdx.x) : 0;
+}
+
+__global__ void __launch_bounds__(kThreads, 1) schedule_kernel(BlinkSchedConfig c, int32_t* st,
                                                             int32_t* hist, int32_t* pt,
                                                             int32_t* batch, bool shared) {
   __shared__ int32_t scratch[kThreads / 32 + 1];
   BlinkSched S(c, reinterpret_cast<uint8_t*>(c.mailbox), st, hist, pt, batch);
-  with_hot_state(S, st, shared, C_SCHEDULE_NS,
-                 [&](BlinkSched& s) { s.schedule(DeviceExec{scratch}); });
+  const uint64_t polled = early_poll(S);
+  with_hot_state(S, st, shared, C_SCHEDULE_NS, [&](BlinkSched& s) {
+    s.schedule(DeviceExec{scratch}, [&](int64_t) { return polled; });
+  });
 }
 
-__global__ void __launch_bounds__(kThreads) commit_kernel(BlinkSchedConfig c, int32_t* st,
+__global__ void __launch_bounds__(kThreads, 1) commit_kernel(BlinkSchedConfig c, int32_t* st,
                                                           int32_t* hist, int32_t* pt,
                                                           int32_t* batch, BlinkStepOutputs step,
                                                           bool shared) {
@@ -73,16 +85,17 @@ __global__ void __launch_bounds__(kThreads) commit_kernel(BlinkSchedConfig c, in
 
 // Commit of this step and schedule of the next in one kernel: one launch and one load/store
 // of the hot state per loop iteration instead of two.
-__global__ void __launch_bounds__(kThreads) step_kernel(BlinkSchedConfig c, int32_t* st,
+__global__ void __launch_bounds__(kThreads, 1) step_kernel(BlinkSchedConfig c, int32_t* st,
                                                         int32_t* hist, int32_t* pt,
                                                         int32_t* batch, BlinkStepOutputs step,
                                                         bool shared) {
   __shared__ int32_t scratch[kThreads / 32 + 1];
   BlinkSched S(c, reinterpret_cast<uint8_t*>(c.mailbox), st, hist, pt, batch);
+  const uint64_t polled = early_poll(S);
   with_hot_state(S, st, shared, C_COMMIT_NS, [&](BlinkSched& s) {
     s.commit(DeviceExec{scratch}, step, /*publish=*/false);
     __syncthreads();
-    s.schedule(DeviceExec{scratch});
+    s.schedule(DeviceExec{scratch}, [&](int64_t) { return polled; });
   });
 }
 

@@ -84,14 +84,8 @@ struct HostExec {
     f();
   }
   void sync() const {}
-  // Publication words written after the payload of an earlier phase: one release fence,
-  // then plain stores (the device policy's counterpart saves a fence per warp).
-  template <class F>
-  void publish(int64_t n, F f) const {
-    if (n <= 0) return;
-    std::atomic_thread_fence(std::memory_order_release);
-    for (int64_t i = 0; i < n; ++i) f(i);
-  }
+  // Makes the relaxed loads of the last sum_then_lead acquire loads.
+  void acquire_reads(int64_t) const { std::atomic_thread_fence(std::memory_order_acquire); }
   // out[i] = sum of value(j) for j < i; returns the total.
   template <class F>
   int32_t exclusive_scan(int64_t n, F value, int32_t* out) const {
@@ -144,19 +138,11 @@ struct DeviceExec {
     if (threadIdx.x == 0) f();
   }
   __device__ void sync() const { __syncthreads(); }
-  // Publication words (f's plain stores) after the payload that earlier phases wrote to the
-  // mailbox: warp 0 issues one system-scope fence, which is cumulative over every write the
-  // block ordered before it through the barrier that ended the previous phase, then runs f
-  // over the indices. A release store per index would cost one fence per warp, each waiting
-  // for that warp's writes to cross PCIe. Must follow a barrier.
-  template <class F>
-  __device__ void publish(int64_t n, F f) const {
-    if (n <= 0) return;
-    if (threadIdx.x < 32) {
-      asm volatile("fence.acq_rel.sys;" ::: "memory");
-      for (int64_t i = threadIdx.x; i < n; i += 32) f(i);
-    }
-    __syncthreads();
+  // Makes the relaxed loads that the last sum_then_lead over n indices ran (thread i loaded
+  // index i) acquire loads: a fence by each of those threads; the next barrier orders the
+  // rest of the block after it.
+  __device__ void acquire_reads(int64_t n) const {
+    if (threadIdx.x < n) asm volatile("fence.acq_rel.sys;" ::: "memory");
   }
   // Warp-shuffle scan: three barriers whatever the block size (a Hillis-Steele scan over
   // shared memory needs two per doubling).

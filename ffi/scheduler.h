@@ -269,8 +269,22 @@ struct BlinkSched {
   }
 
   // ======================= schedule =======================
+  // One word of a poll: doorbell w for w < BLINK_MAX_WORKERS, then the shutdown word. A
+  // relaxed load: a doorbell only says that something changed; the reads it announces follow
+  // an acquire fence (begin_pass) or are acquire loads themselves (slot sequence words).
+  BLINK_HD uint64_t poll_word(int64_t w) const {
+    return w < BLINK_MAX_WORKERS ? blink_load<uint64_t>(&hdr()->doorbell[w])
+                                 : uint64_t(blink_load<uint32_t>(&hdr()->shutdown));
+  }
+
   template <class X>
   BLINK_HD void schedule(const X& x) const {
+    schedule(x, [&](int64_t w) { return poll_word(w); });
+  }
+  // `first_poll(w)`: poll word w for the first pass, which the CUDA kernels load before
+  // anything else so that its PCIe round trip overlaps their other work.
+  template <class X, class Poll>
+  BLINK_HD void schedule(const X& x, const Poll& first_poll) const {
     // The leader's clock at the last phase boundary: every phase ends with a barrier, so the
     // leader reaching a boundary means the phase is done, and timing it adds no barrier.
     // Device only, as C_SCHEDULE_NS: host and device states stay comparable word for word.
@@ -289,7 +303,10 @@ struct BlinkSched {
     };
     for (int pass = 0; pass < 2; ++pass) {
       phase_done(-1);
-      begin_pass(x, pass == 0);
+      if (pass == 0)
+        begin_pass(x, true, first_poll);
+      else
+        begin_pass(x, false, [&](int64_t w) { return poll_word(w); });
       if (s(S_SCAN)) scan_slots(x);
       check_lanes(x);
       if (s(S_ANY_FINISH)) release_finished(x);
@@ -316,18 +333,18 @@ struct BlinkSched {
     }
   }
 
-  // One round trip to the mailbox per step: every doorbell and the shutdown word are loaded
-  // in parallel (on the GPU each load crosses PCIe), summed, and the leader resets the
-  // step's scalars. Entry MAX_WORKERS is the shutdown word.
-  template <class X>
-  BLINK_HD void begin_pass(const X& x, bool first) const {
+  // One round trip to the mailbox per step: every doorbell and the shutdown word (poll
+  // words, see poll_word) summed, and the leader resets the step's scalars. A doorbell that
+  // moved makes the reads acquire: the frontend writes a cancel word before it rings.
+  template <class X, class Poll>
+  BLINK_HD void begin_pass(const X& x, bool first, const Poll& poll) const {
     int32_t* shutdown = lscr(0);
     x.sum_then_lead(
         BLINK_MAX_WORKERS + 1,
         [&](int64_t w) -> uint32_t {
-          if (w < BLINK_MAX_WORKERS)
-            return uint32_t(blink_load_acquire<uint64_t>(&hdr()->doorbell[w]));
-          shutdown[0] = int32_t(blink_load<uint32_t>(&hdr()->shutdown) != 0);
+          const uint64_t word = poll(w);
+          if (w < BLINK_MAX_WORKERS) return uint32_t(word);
+          shutdown[0] = int32_t(word != 0);
           return 0;
         },
         [&](uint32_t total) {
@@ -340,6 +357,7 @@ struct BlinkSched {
           s(S_SCAN) = total != uint32_t(counter(C_DOORBELL_SEEN)) || s(S_RESCAN);
           counter(C_DOORBELL_SEEN) = total;
         });
+    if (s(S_SCAN)) x.acquire_reads(BLINK_MAX_WORKERS + 1);  // scan_slots' barriers follow
   }
 
   // Finds newly submitted slots and queues them in slot order (FCFS from here on).
@@ -806,6 +824,7 @@ struct BlinkSched {
                   top_ids + i * top_k_cols, top_lps + i * top_k_cols, top_k_cols);
       lane(L_OUT_COUNT, l) = int32_t(e + 1);
       blink_store<uint64_t>(o + OUT_OFF(token_ns), X_now_ns());
+      blink_store_release<uint32_t>(o + OUT_OFF(count), e + 1);
       lane(L_LEN, l) = len + 1;
       lane(L_GENERATED, l) += 1;
       int32_t finish = BLINK_FINISH_NONE;
@@ -821,12 +840,6 @@ struct BlinkSched {
         lane(L_FINISH, l) = finish;
         s(S_ANY_FINISH) = 1;
       }
-    });
-    // Each sampled lane's count, published after its entry and timestamp above.
-    x.publish(nsamples, [&](int64_t i) {
-      const int32_t l = sample_array(BS_LANES)[i];
-      if (l >= 0)
-        blink_store<uint32_t>(out(lane(L_SLOT, l)) + OUT_OFF(count), uint32_t(lane(L_OUT_COUNT, l)));
     });
     if (s(S_ANY_FINISH)) release_finished(x);
     x.serial([&] {
