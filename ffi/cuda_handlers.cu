@@ -22,22 +22,11 @@ constexpr int64_t kSharedLimit = 48 * 1024 - 64 * sizeof(int32_t);
 
 // n words (a multiple of 4, both ends 16-byte aligned: the layouts pad and align the hot
 // regions, and the handlers check the state's address) from src to dst by the whole block,
-// in 16-byte words, up to 4 loads in flight a thread: a 256-lane table (1,856 16-byte words)
-// then costs one L2 round trip instead of four. (A fully unrolled copy of 8 4-byte words made
-// the code larger and the 1-lane schedule ~1.8 us slower, finding 31.)
+// in 16-byte words. A plain block-stride loop: an unrolled copy (8 loads in flight) made the
+// kernels' code larger and the 1-lane schedule ~1.8 us slower (finding 31).
 __device__ void block_copy(int32_t* dst, const int32_t* src, int64_t n) {
-  const int4* s = reinterpret_cast<const int4*>(src);
-  int4* d = reinterpret_cast<int4*>(dst);
-  const int64_t n4 = n / 4, stride = blockDim.x;
-  for (int64_t i = threadIdx.x; i < n4; i += 4 * stride) {
-    int4 v[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      if (i + k * stride < n4) v[k] = s[i + k * stride];
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      if (i + k * stride < n4) d[i + k * stride] = v[k];
-  }
+  for (int64_t i = threadIdx.x; i < n / 4; i += blockDim.x)
+    reinterpret_cast<int4*>(dst)[i] = reinterpret_cast<const int4*>(src)[i];
 }
 
 // Runs `fn` on a scheduler whose hot state (counters, scalars, lane table, lane scratch) lives
