@@ -114,6 +114,7 @@ if has schedab; then
   # The scheduler microbenchmark of other ffi/ sources against this tree's, alternated in one
   # call (ratios from the same machine). SCHED_AB: name=folder pairs run in order, a folder
   # holding an ffi/ (e.g. `git archive REV ffi | tar -x -C ab_base`; "." is this tree).
+  # Combine the run files afterwards with scripts/combine_ab.py (one file, median table).
   log "scheduler A/B: ${SCHED_AB:=base=ab_base new=. base=ab_base new=.}"
   cp -r ffi /tmp/ffi_new; n=0
   for v in $SCHED_AB; do
