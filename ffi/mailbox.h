@@ -33,6 +33,10 @@
 // Cancellation: the frontend writes cancel = n and bumps its doorbell; the GPU finishes the
 // request with FINISH_CANCELLED at its next step (or when it would be admitted).
 //
+// Doorbells are hints: the GPU loads them relaxed (early in its kernels, to hide the PCIe
+// round trip) and, when one moved, issues an acquire fence before it reads slots or cancel
+// words; so a doorbell bump must follow (release) what it announces.
+//
 // The GPU trusts nothing here: every request field is validated on the device and a bad
 // request is FINISHED with FINISH_ERROR and an error code (see BlinkError), touching nothing
 // else.
