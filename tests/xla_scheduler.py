@@ -12,7 +12,10 @@ from blink_jax import ffi as F
 
 
 class XlaScheduler:
-  def __init__(self, cfg: F.SchedConfig, device: jax.Device, region=None):
+  """fused: each commit is held until the next schedule() and run with it as one blink_step
+  call, as the engine's fused loop does."""
+
+  def __init__(self, cfg: F.SchedConfig, device: jax.Device, region=None, fused: bool = False):
     F.register_targets()
     self.device = device
     self.registered = None
@@ -33,15 +36,31 @@ class XlaScheduler:
     self._sched = jax.jit(lambda s, h, p: X.schedule_call(cfg, s, h, p), donate_argnums=(0, 1, 2))
     self._commit = jax.jit(lambda s, h, p, w, *outs: X.commit_call(cfg, s, h, p, w, *outs),
                            donate_argnums=(0, 1))
+    self._step = jax.jit(lambda s, h, p, w, *outs: X.step_call(cfg, s, h, p, w, *outs),
+                         donate_argnums=(0, 1, 2, 3))
+    self.fused = fused
+    self._held = None  # the outputs of a commit that waits for the next schedule (fused)
 
   @property
   def page_table(self):
     return np.asarray(self._pt)
 
   def schedule(self):
-    self.state, self.history, self._pt, self._words = self._sched(self.state, self.history,
-                                                                  self._pt)
+    if self._held is not None:
+      outs, self._held = self._held, None
+      self.state, self.history, self._pt, self._words = self._step(
+          self.state, self.history, self._pt, self._words, *outs)
+    else:
+      self.state, self.history, self._pt, self._words = self._sched(self.state, self.history,
+                                                                    self._pt)
     return np.asarray(self._words)
+
+  def _flush(self):
+    """Runs a held commit on its own (before the state is read)."""
+    if self._held is not None:
+      outs, self._held = self._held, None
+      self.state, self.history = self._commit(self.state, self.history, self._pt, self._words,
+                                              *outs)
 
   def commit(self, sampled, logprobs, top_ids, top_lps, row_lps=None, row_top_ids=None,
              row_top_lps=None):
@@ -50,19 +69,20 @@ class XlaScheduler:
     if row_lps is None:  # no prompt logprobs asked
       row_lps, row_top_ids, row_top_lps = (np.zeros(rows), np.zeros((rows, k)),
                                            np.zeros((rows, k)))
-    self.state, self.history = self._commit(self.state, self.history, self._pt, self._words,
-                                            put(np.asarray(sampled, np.int32)),
-                                            put(np.asarray(logprobs, np.float32)),
-                                            put(np.asarray(top_ids, np.int32)),
-                                            put(np.asarray(top_lps, np.float32)),
-                                            put(np.asarray(row_lps, np.float32)),
-                                            put(np.asarray(row_top_ids, np.int32)),
-                                            put(np.asarray(row_top_lps, np.float32)))
+    outs = (put(np.asarray(sampled, np.int32)), put(np.asarray(logprobs, np.float32)),
+            put(np.asarray(top_ids, np.int32)), put(np.asarray(top_lps, np.float32)),
+            put(np.asarray(row_lps, np.float32)), put(np.asarray(row_top_ids, np.int32)),
+            put(np.asarray(row_top_lps, np.float32)))
+    self._held = outs
+    if not self.fused:
+      self._flush()
 
   def summary(self):
+    self._flush()
     return F.summarize(self.cfg, np.asarray(self.state))
 
   def close(self):
+    self._flush()
     if self.registered is not None:
       jax.block_until_ready(self.state)
       F.cuda_library().blink_cuda_unregister_host(self.registered)
