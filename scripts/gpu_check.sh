@@ -61,9 +61,14 @@ fi
 if has tests; then
   log "gpu tests"
   # TESTS_ENV: VAR=value,... for the tests only (e.g. BLINK_CUDA_GEMV=1)
+  # The whole output (XLA's INFO log included) goes to $OUT/tests.txt; the log keeps each
+  # test's outcome and the summary (a tail of the output drowned them in XLA's log).
   ( export_vars "${TESTS_ENV:-}"
     timeout ${TESTS_TIMEOUT:-500} python3 -m pytest -m gpu ${GPU_TESTS:-tests/test_scheduler_backends.py tests/test_engine_gpu.py tests/test_device_region.py tests/test_pallas_attention.py tests/test_pallas_norm.py tests/test_pallas_prefill.py tests/test_pallas_ffw.py tests/test_pallas_out.py tests/test_cuda_gemv.py} \
-      -q -s -p no:cacheprovider ) 2>&1 | tail -40 | tee -a "$OUT/log.txt"
+      -rA -p no:cacheprovider ) >"$OUT/tests.txt" 2>&1
+  echo "pytest exit status $?" >>"$OUT/tests.txt"
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED|XFAIL)|^=+ .*(passed|failed|error)|exit status|Timeout" \
+    "$OUT/tests.txt" | tee -a "$OUT/log.txt"
 fi
 if has diag; then
   log "why XLA does or does not build a device WHILE (VLOG of the command-buffer pass)"
