@@ -34,13 +34,18 @@ def _random_jobs(rng: random.Random, vocab: int, max_context: int, n: int) -> li
   return jobs
 
 
-def _run_both(device: jax.Device, seed: int):
+def _workload(seed: int):
+  """(geometry, scheduler parameters, jobs) of random workload `seed`."""
   rng = random.Random(seed)
   geo = P.Geometry(num_slots=6, max_prompt=40, ring_capacity=3, max_top_logprobs=3)
   params = dict(vocab_size=32, max_context=40, page_size=rng.choice([1, 4, 8]),
                 max_seqs=rng.randint(1, 6), buckets=(8, 16), eos_ids=(1,))
   params["num_pages"] = -(-40 // params["page_size"]) + rng.randint(0, 4)
-  jobs = _random_jobs(rng, params["vocab_size"], params["max_context"], 12)
+  return geo, params, _random_jobs(rng, params["vocab_size"], params["max_context"], 12)
+
+
+def _run_both(device: jax.Device, seed: int):
+  geo, params, jobs = _workload(seed)
   results = []
   for backend in ("host", "xla"):
     region = H.new_mailbox(geo, params["vocab_size"], params["max_context"])
@@ -87,12 +92,7 @@ def _run_fused(device: jax.Device, seed: int):
   """The random workloads through blink_step (commit held until the next schedule, as the
   fused loop runs it; ring counts published by the schedule): every property of the run
   holds, each job's tokens equal the oracle's, and the counters are exact."""
-  rng = random.Random(seed)
-  geo = P.Geometry(num_slots=6, max_prompt=40, ring_capacity=3, max_top_logprobs=3)
-  params = dict(vocab_size=32, max_context=40, page_size=rng.choice([1, 4, 8]),
-                max_seqs=rng.randint(1, 6), buckets=(8, 16), eos_ids=(1,))
-  params["num_pages"] = -(-40 // params["page_size"]) + rng.randint(0, 4)
-  jobs = _random_jobs(rng, params["vocab_size"], params["max_context"], 12)
+  geo, params, jobs = _workload(seed)
   region = H.new_mailbox(geo, params["vocab_size"], params["max_context"])
   cfg = H.make_config(region, geo, **params)
   sched = XlaScheduler(cfg, device, region, fused=True)
@@ -102,7 +102,6 @@ def _run_fused(device: jax.Device, seed: int):
   finally:
     sched.close()
   H.check_run(jobs, res, cfg)
-  return res
 
 
 @pytest.mark.parametrize("seed", range(4))
