@@ -21,18 +21,22 @@ flags.DEFINE_string("revision", None, "the revisions compared, in words", requir
 flags.DEFINE_multi_string("variant", [], "name=what this variant's ffi/ tree was")
 flags.DEFINE_string("command", None, "the device command", required=True)
 
-RUN = re.compile(r"sched_ab_(?P<name>.+?)(?P<fused>_fused)?_(?P<n>\d+)\.json$")
+# A run's key: its file name less "sched_ab_" and ".json" (variant, fused or not, call order).
+KEY = re.compile(r"(?P<name>.+?)(?P<fused>_fused)?_(?P<n>\d+)$")
 # Kernel-time columns of a run file: the fused step's kernel time is in commit_kernel_us.
 COLUMNS = {False: ("schedule_kernel_us", "commit_kernel_us"), True: ("commit_kernel_us",)}
 
 
-def load_runs(folder: pathlib.Path) -> dict[str, dict]:
-  runs = {}
-  for path in sorted(folder.glob("sched_ab_*.json"), key=lambda p: int(RUN.search(p.name)["n"])):
+def load_runs(folder: pathlib.Path) -> tuple[dict[str, dict], dict]:
+  """(key -> the run's command and results, in call order; the first run file's header)."""
+  runs, header = {}, {}
+  paths = [(p, p.stem.removeprefix("sched_ab_")) for p in folder.glob("sched_ab_*.json")]
+  for path, key in sorted((pk for pk in paths if KEY.match(pk[1])),
+                          key=lambda pk: int(KEY.match(pk[1])["n"])):
     data = json.loads(path.read_text())
-    runs[path.stem.removeprefix("sched_ab_")] = {"command": data["command"],
-                                                  "results": data["results"]}
-  return runs
+    runs[key] = {"command": data["command"], "results": data["results"]}
+    header = header or data
+  return runs, header
 
 
 def medians(runs: dict[str, dict]) -> dict[str, dict[str, float]]:
@@ -40,7 +44,7 @@ def medians(runs: dict[str, dict]) -> dict[str, dict[str, float]]:
   schedule, commit or fused (the fused step kernel)."""
   table: dict[str, dict[str, list[float]]] = {}
   for key, run in runs.items():
-    m = RUN.match(f"sched_ab_{key}.json")
+    m = KEY.match(key)
     fused = m["fused"] is not None
     cells = table.setdefault(m["name"], {})
     for row in run["results"]:
@@ -53,13 +57,12 @@ def medians(runs: dict[str, dict]) -> dict[str, dict[str, float]]:
 
 def main(_):
   folder = pathlib.Path(FLAGS.dir)
-  runs = load_runs(folder)
+  runs, header = load_runs(folder)
   if not runs:
     raise app.UsageError(f"no sched_ab_*.json in {folder}")
-  some = json.loads(next(folder.glob("sched_ab_*.json")).read_text())
   out = {
-      "benchmark": "sched_ab", "device": some["device"], "date": some["date"][:10],
-      "jax": some["jax"], "command": FLAGS.command, "git_revision": FLAGS.revision,
+      "benchmark": "sched_ab", "device": header["device"], "date": header["date"][:10],
+      "jax": header["jax"], "command": FLAGS.command, "git_revision": FLAGS.revision,
       "variants": dict(v.split("=", 1) for v in FLAGS.variant),
       "median_kernel_us": medians(runs), "runs": runs,
   }
