@@ -1,6 +1,7 @@
 // CPU XLA FFI handlers: blink_schedule, blink_commit and blink_step run the scheduler (scheduler.h) with
 // the host execution policy on buffers of the executor's loop carry.
 #include <cstring>
+#include <vector>
 
 #include "handler_common.h"
 #include "scheduler.h"
@@ -65,9 +66,16 @@ ffi::Error StepImpl(ffi::Buffer<ffi::S32> state, ffi::Buffer<ffi::S32> history,
   carry(batch, batch_out);
   BlinkSched S(c, reinterpret_cast<uint8_t*>(c.mailbox), state_out->typed_data(),
                history_out->typed_data(), page_table_out->typed_data(), batch_out->typed_data());
+  // As the CUDA step: counts of lanes that go on are published after the commit (here
+  // before the schedule).
+  thread_local std::vector<int32_t> deferred;
+  deferred.resize(2 * size_t(c.max_seqs));
+  const BlinkSched::Deferred d{deferred.data(), deferred.data() + c.max_seqs};
+  const int32_t nsamples = batch_out->typed_data()[B_NUM_SAMPLES];
   S.commit(HostExec{}, blink::StepOutputs(sampled, logprobs, top_ids, top_lps, row_lps,
                                           row_top_ids, row_top_lps),
-           /*publish=*/false);
+           /*fused=*/true, d);
+  S.publish_deferred(HostExec{}, d, nsamples);
   S.schedule(HostExec{});
   return ffi::Error::Success();
 }

@@ -84,18 +84,31 @@ __global__ void __launch_bounds__(kThreads, 1) commit_kernel(BlinkSchedConfig c,
 }
 
 // Commit of this step and schedule of the next in one kernel: one launch and one load/store
-// of the hot state per loop iteration instead of two.
+// of the hot state per loop iteration instead of two. kDefer (when the deferred counts fit in
+// shared memory after the hot state): the last warp publishes the ring counts of the lanes
+// that go on while the other warps schedule, so its system fence overlaps the schedule
+// instead of one fence per warp in the commit.
+template <bool kDefer>
 __global__ void __launch_bounds__(kThreads, 1) step_kernel(BlinkSchedConfig c, int32_t* st,
                                                         int32_t* hist, int32_t* pt,
                                                         int32_t* batch, BlinkStepOutputs step,
                                                         bool shared) {
+  extern __shared__ __align__(16) int32_t dyn[];
   __shared__ int32_t scratch[kThreads / 32 + 1];
+  constexpr int kSchedThreads = kDefer ? kThreads - 32 : kThreads;
   BlinkSched S(c, reinterpret_cast<uint8_t*>(c.mailbox), st, hist, pt, batch);
   const uint64_t polled = early_poll(S);
+  int32_t* tail = dyn + BlinkHotLayout(c).total;
+  const BlinkSched::Deferred d{kDefer ? tail : nullptr, kDefer ? tail + c.max_seqs : nullptr};
   with_hot_state(S, st, shared, C_COMMIT_NS, [&](BlinkSched& s) {
-    s.commit(DeviceExec{scratch}, step, /*publish=*/false);
+    const int32_t nsamples = batch[B_NUM_SAMPLES];  // read before the schedule rewrites it
+    s.commit(DeviceExec{scratch}, step, /*fused=*/true, d);
     __syncthreads();
-    s.schedule(DeviceExec{scratch}, [&](int64_t) { return polled; });
+    if (kDefer && threadIdx.x >= kSchedThreads)
+      s.publish_deferred(WarpExec{}, d, nsamples);
+    else
+      s.schedule(DeviceExecT<kDefer ? kSchedThreads : 0, 1>{scratch},
+                 [&](int64_t) { return polled; });
   });
 }
 
@@ -188,7 +201,11 @@ ffi::Error StepImpl(cudaStream_t s, ffi::Buffer<ffi::S32> state, ffi::Buffer<ffi
   carry(s, page_table, page_table_out);
   carry(s, batch, batch_out);
   int64_t smem = hot_bytes(c, state_out->untyped_data());
-  step_kernel<<<1, kThreads, smem, s>>>(
+  // Room for the deferred counts (slot and count per sample) after the hot state?
+  const int64_t deferred_bytes = 2 * c.max_seqs * int64_t(sizeof(int32_t));
+  const bool defer = smem > 0 && smem + deferred_bytes <= kSharedLimit;
+  (defer ? step_kernel<true> : step_kernel<false>)<<<1, kThreads,
+                                                   defer ? smem + deferred_bytes : smem, s>>>(
       c, state_out->typed_data(), history_out->typed_data(), page_table_out->typed_data(),
       batch_out->typed_data(),
       blink::StepOutputs(sampled, logprobs, top_ids, top_lps, row_lps, row_top_ids, row_top_lps),

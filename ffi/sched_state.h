@@ -135,6 +135,7 @@ enum BlinkLaneField {
   L_BAD,           // prompt copy found an invalid token id
   L_TMP,
   L_PLP_DONE,      // prompt-logprob entries written (= prompt positions 1..L_PLP_DONE)
+  L_PUBLISH_STEP,  // fused step: loop iteration whose schedule publishes the lane's count
   L_NUM_FIELDS
 };
 
