@@ -391,10 +391,13 @@ def command_buffer_report(compiled, compile_log: str, device, mode: str) -> dict
     return {"device_while": None, "reason": "no while loop in the entry computation"}
   name = m.group(1)
   lines = [l for l in compile_log.splitlines() if "Creating command buffer thunk" in l]
-  if not lines and "command_buffer_conversion_pass" not in os.environ.get("TF_CPP_VMODULE", ""):
+  # The pass logs at INFO (VLOG): a minimum log level above 0 drops it even when asked for.
+  log_on = ("command_buffer_conversion_pass" in os.environ.get("TF_CPP_VMODULE", "")
+            and os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0") in ("", "0"))
+  if not lines and not log_on:
     return {"device_while": None, "loop": name,
             "reason": "XLA's conversion log is off (call xla_flags.configure_command_buffers() "
-                      "before JAX starts)"}
+                      "before JAX starts, with TF_CPP_MIN_LOG_LEVEL unset or 0)"}
   hit = [l for l in lines if re.search(rf"\b{re.escape(name)}\b", l.split("thunks:")[-1])]
   return {"device_while": bool(hit), "loop": name,
           "evidence": hit[0].split("] ")[-1][:200] if hit else

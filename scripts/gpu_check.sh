@@ -65,9 +65,9 @@ if has tests; then
   # test's outcome and the summary (a tail of the output drowned them in XLA's log).
   ( export_vars "${TESTS_ENV:-}"
     timeout ${TESTS_TIMEOUT:-500} python3 -m pytest -m gpu ${GPU_TESTS:-tests/test_scheduler_backends.py tests/test_engine_gpu.py tests/test_device_region.py tests/test_pallas_attention.py tests/test_pallas_norm.py tests/test_pallas_prefill.py tests/test_pallas_ffw.py tests/test_pallas_out.py tests/test_cuda_gemv.py} \
-      -rA -p no:cacheprovider ) >"$OUT/tests.txt" 2>&1
+      -rA -p no:cacheprovider --timeout ${TEST_TIMEOUT:-240} --durations=12 ) >"$OUT/tests.txt" 2>&1
   echo "pytest exit status $?" >>"$OUT/tests.txt"
-  grep -E "^(PASSED|FAILED|ERROR|SKIPPED|XFAIL)|^=+ .*(passed|failed|error)|exit status|Timeout" \
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED|XFAIL)|^=+ .*(passed|failed|error)|exit status|Timeout|^[0-9.]+s call" \
     "$OUT/tests.txt" | tee -a "$OUT/log.txt"
 fi
 if has diag; then
