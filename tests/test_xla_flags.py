@@ -1,6 +1,8 @@
 """xla_flags: the GPU path of the flag setup runs on CPU too (with the plugin check faked)."""
 import os
 
+import pytest
+
 from blink_jax import xla_flags
 
 
@@ -48,3 +50,33 @@ def test_a_running_backend_without_the_decode_flag_still_has_command_buffers(mon
   monkeypatch.delenv("BLINK_NO_COMMAND_BUFFERS", raising=False)
   monkeypatch.setenv("XLA_FLAGS", " ".join(xla_flags.COMMAND_BUFFER_FLAGS))
   assert xla_flags.configure_command_buffers()
+
+
+class _Compiled:
+  """The part of a compiled executable the loop report reads: its HLO text."""
+
+  def as_text(self):
+    return "HloModule m\n\nENTRY main {\n  while.7 = (s32[]) while(p), condition=c, body=b\n}\n"
+
+
+class _Gpu:
+  platform = "gpu"
+
+
+CONVERSION_LINE = ("I1201 command_buffer_conversion_pass.cc:1] Creating command buffer thunk "
+                   "with the following thunks: while.7")
+
+
+@pytest.mark.parametrize("min_level,log,want", [
+    ("0", CONVERSION_LINE, True),   # the loop went into a command buffer
+    ("0", "", False),               # the log is on and says nothing: no command buffer
+    ("1", "", None),                # INFO dropped: unknown, not "no"
+    ("", "", False)])
+def test_loop_report_reads_the_conversion_log_only_when_xla_writes_it(
+    monkeypatch, min_level, log, want):
+  from blink_jax.executor import command_buffer_report
+  monkeypatch.setenv("TF_CPP_VMODULE", "command_buffer_conversion_pass=2")
+  monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", min_level)
+  report = command_buffer_report(_Compiled(), log, _Gpu(), "persistent")
+  assert report["device_while"] is want
+  assert report["loop"] == "while.7"
