@@ -225,10 +225,12 @@ class Engine:
       self.executor = X.Executor(model, self.sched, max_top_logprobs=max_top_logprobs,
                                  device=self.device, fused_step=fused_step, attention=attention,
                                  norm=norm)
-      log.info("engine: model %s (%s, %d layers), dtype %s, device %s, mode %s, max_seqs %d, "
-               "kv pages %d x %d, buckets %s, attention %s, norm %s, CUDA GEMV for %s, "
-               "experimental kernels %s",
-               model_name, cfg.name, cfg.num_layers, model.dtype, self.device, mode, max_seqs,
+      log.info("engine: model %s (%s, %d layers), dtype %s, device %s, mode %s (%s), "
+               "max_seqs %d, kv pages %d x %d, buckets %s, attention %s, norm %s, CUDA GEMV for "
+               "%s, experimental kernels %s",
+               model_name, cfg.name, cfg.num_layers, model.dtype, self.device, mode,
+               "one scheduler kernel per step" if fused_step else "schedule + commit kernels",
+               max_seqs,
                kv_pages, page_size, list(buckets), self.executor.attention, self.executor.norm,
                sorted(cuda_gemv.active(interpret=not on_gpu)) or "none",
                kernels.experimental_kernels() or "off")

@@ -54,6 +54,9 @@ flags.DEFINE_string("api_key", None, "Require 'Authorization: Bearer KEY' on /v1
 flags.DEFINE_enum("mode", "persistent", ["persistent", "host"],
                   "persistent: the serving loop runs on the device; host: the host drives "
                   "each step (for comparison).")
+flags.DEFINE_bool("fused_step", False,
+                  "One scheduler call per step (blink_step: the commit of a step and the "
+                  "schedule of the next in one kernel) instead of a schedule and a commit.")
 flags.DEFINE_enum("attention", "auto", config.KERNEL_KINDS,
                   "Paged attention of decode-sized steps: the jnp reference, the Pallas "
                   "kernel that reads KV pages in place (fewer kernels per step), or auto: "
@@ -252,7 +255,8 @@ def _describe(engine, shm_name: str | None) -> str:
   why = f" ({report.get('reason')})" if isinstance(report, dict) and report.get("reason") else ""
   return (f"model {engine.model_name}, dtype {dtype}, devices {list(devices)}, "
           f"max context {engine.max_context}, mailbox shm {shm_name}, transport "
-          f"{FLAGS.transport}, mode {FLAGS.mode}, loop on device: "
+          f"{FLAGS.transport}, mode {FLAGS.mode}{' (fused step)' if FLAGS.fused_step else ''}, "
+          f"loop on device: "
           f"{'unknown' if loop is None else bool(loop)}{why}")
 
 
@@ -281,6 +285,8 @@ def make_engine(Engine):
   kw = dict(dtype=FLAGS.dtype, mode=FLAGS.mode, attention=FLAGS.attention, norm=FLAGS.norm)
   if FLAGS.tokenizer:
     kw["tokenizer_path"] = FLAGS.tokenizer
+  if FLAGS.fused_step:
+    kw["fused_step"] = True
   for name in ("max_seqs", "kv_pages", "max_context"):
     if getattr(FLAGS, name) is not None:
       kw[name] = getattr(FLAGS, name)

@@ -874,6 +874,32 @@ def test_serve_two_workers_share_a_port(tokenizer_path, tmp_path, transport):
       server.stop()
 
 
+@pytest.mark.parametrize("argv,fused", [([], None), (["--fused_step"], True)])
+def test_serve_hands_its_loop_options_to_the_engine(argv, fused):
+  from absl.testing import flagsaver
+  serve = _load_serve()
+  seen = {}
+
+  class Recorder:  # an Engine whose from_checkpoint creates the mailbox itself
+    region, shm_name, mailbox_workers = None, "rec", 1
+
+    @classmethod
+    def from_checkpoint(cls, ckpt, *, shm_name=None, **kw):
+      seen.update(kw, ckpt=ckpt)
+      return cls()
+
+  parsed = serve.FLAGS.is_parsed()
+  try:
+    with flagsaver.flagsaver():
+      serve.FLAGS(["serve.py", "--ckpt=gemma", "--mode=persistent", *argv])
+      serve.make_engine(Recorder)
+  finally:
+    if not parsed:
+      serve.FLAGS.unparse_flags()
+  assert seen["ckpt"] == "gemma" and seen["mode"] == "persistent"
+  assert seen.get("fused_step") is fused
+
+
 def _free_port() -> int:
   import socket
   with socket.socket() as s:
