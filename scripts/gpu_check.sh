@@ -140,14 +140,17 @@ if has executor; then
   exec_bench "" 25 --batches 1,64
 fi
 if has variants; then
-  # EXEC_VARIANTS: name:VAR=value,... (environment of the engine; "base:" = defaults), run in
-  # order; EXEC_BATCHES (default 1,64); persistent mode, quiet.
+  # EXEC_VARIANTS: name:VAR=value,...[:--flag,...] (environment of the engine, "base:" =
+  # defaults; then bench_executor flags, e.g. "fused::--fused"), run in order; EXEC_BATCHES
+  # (default 1,64); persistent mode, quiet.
   log "engine per-token latency per environment: ${EXEC_VARIANTS:=base: gemv:BLINK_CUDA_GEMV=1}"
   for v in $EXEC_VARIANTS; do
-    name=${v%%:*} envs=${v#*:}
+    name=${v%%:*} rest=${v#*:}
+    envs=${rest%%:*} args=
+    [[ $rest == *:* ]] && args=${rest#*:}
     ( export_vars "$envs"
       exec_bench variant_$name 6 --batches ${EXEC_BATCHES:-1,64} --modes persistent \
-        --interference 0 ) | sed "s/^/$name /"
+        --interference 0 ${args//,/ } ) | sed "s/^/$name /"
   done
 fi
 if has fused; then
