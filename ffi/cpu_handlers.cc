@@ -69,8 +69,8 @@ ffi::Error StepImpl(ffi::Buffer<ffi::S32> state, ffi::Buffer<ffi::S32> history,
   // As the CUDA step: counts of lanes that go on are published after the commit (here
   // before the schedule).
   thread_local std::vector<int32_t> deferred;
-  deferred.resize(2 * size_t(c.max_seqs));
-  const BlinkSched::Deferred d{deferred.data(), deferred.data() + c.max_seqs};
+  deferred.resize(size_t(BlinkSched::Deferred::words(c)));
+  const BlinkSched::Deferred d = BlinkSched::Deferred::at(deferred.data(), c);
   const int32_t nsamples = batch_out->typed_data()[B_NUM_SAMPLES];
   S.commit(HostExec{}, blink::StepOutputs(sampled, logprobs, top_ids, top_lps, row_lps,
                                           row_top_ids, row_top_lps),

@@ -98,8 +98,9 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(BlinkSchedConfig c, i
   constexpr int kSchedThreads = kDefer ? kThreads - 32 : kThreads;
   BlinkSched S(c, reinterpret_cast<uint8_t*>(c.mailbox), st, hist, pt, batch);
   const uint64_t polled = early_poll(S);
-  int32_t* tail = dyn + BlinkHotLayout(c).total;
-  const BlinkSched::Deferred d{kDefer ? tail : nullptr, kDefer ? tail + c.max_seqs : nullptr};
+  const BlinkSched::Deferred d =
+      kDefer ? BlinkSched::Deferred::at(dyn + BlinkHotLayout(c).total, c)
+             : BlinkSched::Deferred{nullptr, nullptr};
   with_hot_state(S, st, shared, C_COMMIT_NS, [&](BlinkSched& s) {
     const int32_t nsamples = batch[B_NUM_SAMPLES];  // read before the schedule rewrites it
     s.commit(DeviceExec{scratch}, step, /*fused=*/true, d);
@@ -202,7 +203,7 @@ ffi::Error StepImpl(cudaStream_t s, ffi::Buffer<ffi::S32> state, ffi::Buffer<ffi
   carry(s, batch, batch_out);
   int64_t smem = hot_bytes(c, state_out->untyped_data());
   // Room for the deferred counts (slot and count per sample) after the hot state?
-  const int64_t deferred_bytes = 2 * c.max_seqs * int64_t(sizeof(int32_t));
+  const int64_t deferred_bytes = BlinkSched::Deferred::words(c) * int64_t(sizeof(int32_t));
   const bool defer = smem > 0 && smem + deferred_bytes <= kSharedLimit;
   (defer ? step_kernel<true> : step_kernel<false>)<<<1, kThreads,
                                                    defer ? smem + deferred_bytes : smem, s>>>(

@@ -801,6 +801,11 @@ struct BlinkSched {
   struct Deferred {
     int32_t* slots;
     int32_t* counts;
+    // Words the two lists take, and the lists laid out from `p`.
+    static BLINK_HD int64_t words(const BlinkSchedConfig& c) { return 2 * c.max_seqs; }
+    static BLINK_HD Deferred at(int32_t* p, const BlinkSchedConfig& c) {
+      return {p, p + c.max_seqs};
+    }
   };
 
   // Publishes the counts a fused commit deferred (after the barrier that ended the commit).
