@@ -1,11 +1,12 @@
 """blink-jax: a JAX-native LLM inference server for Gemma models.
 
 `from blink_jax import Engine, SamplingParams` loads JAX lazily, so JAX-free layers
-(blink_jax.protocol, blink_jax.mailbox, blink_jax.tokenizer) import without it.
+(blink_jax.client, blink_jax.engine_config, blink_jax.env) import without it.
 """
 from typing import Any
 
-__all__ = ["Engine", "SamplingParams", "RequestOutput", "StreamDelta", "EngineStoppedError"]
+__all__ = ["Engine", "EngineConfig", "KernelOptions", "SamplingParams", "RequestOutput",
+           "StreamDelta", "EngineStoppedError"]
 
 
 def __getattr__(name: str) -> Any:

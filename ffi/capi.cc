@@ -113,7 +113,7 @@ const char* blink_mailbox_layout() {
   return s.c_str();
 }
 
-// Indices of the batch descriptor (checked against blink_jax/batch.py).
+// Indices of the batch descriptor (checked against blink_jax/native/batch.py).
 const char* blink_batch_layout() {
   static std::string s;
   if (!s.empty()) return s.c_str();

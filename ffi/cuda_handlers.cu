@@ -23,7 +23,8 @@ constexpr int64_t kSharedLimit = 48 * 1024 - 64 * sizeof(int32_t);
 // n words (a multiple of 4, both ends 16-byte aligned: the layouts pad and align the hot
 // regions, and the handlers check the state's address) from src to dst by the whole block,
 // in 16-byte words. A plain block-stride loop: an unrolled copy (8 loads in flight) made the
-// kernels' code larger and the 1-lane schedule ~1.8 us slower (finding 31).
+// kernels' code larger and the 1-lane schedule ~1.8 us slower (docs/NOTES.md, "Scheduler
+// code: fewer phases, plain copies, all inlined").
 __device__ void block_copy(int32_t* dst, const int32_t* src, int64_t n) {
   for (int64_t i = threadIdx.x; i < n / 4; i += blockDim.x)
     reinterpret_cast<int4*>(dst)[i] = reinterpret_cast<const int4*>(src)[i];
@@ -260,7 +261,7 @@ extern "C" int blink_cuda_copy(void* dst, const void* src, uint64_t bytes) {
   return int(cudaStreamSynchronize(stream));
 }
 
-// A zeroed mailbox in GPU memory (see blink_jax/device_region.py).
+// A zeroed mailbox in GPU memory (see blink_jax/native/device_region.py).
 extern "C" int blink_cuda_alloc(uint64_t bytes, void** ptr) {
   cudaError_t e = cudaMalloc(ptr, bytes);
   if (e != cudaSuccess) return int(e);

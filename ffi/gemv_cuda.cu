@@ -2,7 +2,7 @@
 // w [K, N] bf16 -> split partial sums [S, T, N] f32 (S splits of K; the add + norm kernel or
 // an XLA fusion adds them up). XLA runs these GEMVs as GEMM kernels tuned on hot caches; here
 // every weight byte is read once with 16-byte loads, all of a thread's rows in flight at
-// once, from enough blocks to cover the GPU (blink_jax/cuda_gemv.py picks S).
+// once, from enough blocks to cover the GPU (blink_jax/kernels/cuda_gemv.py picks S).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -20,11 +20,11 @@ constexpr int kGroupLanes = kColumns / kPerThread;  // threads reading one row: 
 constexpr int kGroups = kThreads / kGroupLanes;     // rows read at once: 32
 constexpr int kMaxTokens = 8;
 
-// Rows each thread has in flight for T tokens (mirrored in blink_jax/cuda_gemv.py
+// Rows each thread has in flight for T tokens (mirrored in blink_jax/kernels/cuda_gemv.py
 // rows_in_flight): as many as the registers allow beside T x 8 sums. With splits chosen so
 // that a block's rows fit one pass, every load of the kernel is issued before any returns:
 // one trip to HBM instead of one per 4 rows (the first version took 4 trips for the 1B
-// down projection and ran at ~1 TB/s, docs/NOTES.md finding 40).
+// down projection and ran at ~1 TB/s; docs/NOTES.md, "The CUDA GEMV: one pass per block").
 __host__ __device__ constexpr int rows_in_flight(int T) { return T == 1 ? 8 : T <= 4 ? 4 : 2; }
 
 // Block (column block c, split s): rows [s * chunk, min(K, (s + 1) * chunk)) of columns

@@ -2,7 +2,7 @@
 //
 // A flat region, written and read only with one-sided stores and loads, so that POSIX shared
 // memory, a TCP relay and RDMA WRITE/READ are interchangeable transports. Mirrored in Python by
-// blink_jax/protocol.py (no JAX there); tests/test_protocol.py checks every offset against
+// blink_jax/client/protocol.py (no JAX there); tests/test_protocol.py checks every offset against
 // this header through blink_mailbox_layout() in layout.cc.
 //
 // Region = MailboxHeader | Slot[0] | Slot[1] | ... ; Slot = SlotRequest (+ prompt tokens) |

@@ -141,7 +141,7 @@ enum BlinkLaneField {
 
 enum BlinkLaneState { LANE_FREE = 0, LANE_ACTIVE = 1, LANE_PREEMPTED = 2 };
 
-// Batch descriptor: int32 words read by the model step (mirrored in blink_jax/batch.py).
+// Batch descriptor: int32 words read by the model step (mirrored in blink_jax/native/batch.py).
 enum BlinkBatchHeader {
   B_NUM_ROWS = 0,
   B_BUCKET,

@@ -10,9 +10,6 @@
 #include "mailbox.h"
 #include "sched_state.h"
 
-#define BLINK_FIELD(type, base, strct, field) \
-  ((type*)((base) + __builtin_offsetof(strct, field)))
-
 // What the model step produced, read by commit: per sample (max_seqs) the token, its logprob
 // and top-n; per batch row (token_budget) the logprob of the row's target token (prompt
 // logprobs) and its top-n. top_cols = n columns of both top arrays.
@@ -50,7 +47,7 @@ struct BlinkSched {
   int32_t* batch;       // step descriptor (int32 words)
   BlinkStateLayout lay;
   BlinkGeometry geo;
-  int64_t mpps;
+  int64_t max_pages_per_seq;
   // The hot part of the state: counters + scalars, the lane table and the per-lane scratch
   // arrays. They point into `st` unless a caller (the CUDA kernels) moved them into faster
   // memory with use_hot_copy(); everything else stays in `st`.
@@ -62,7 +59,7 @@ struct BlinkSched {
   BLINK_HD BlinkSched(const BlinkSchedConfig& cfg, uint8_t* mailbox, int32_t* state,
                       int32_t* hist, int32_t* pt, int32_t* b)
       : c(cfg), mb(mailbox), st(state), history(hist), page_table(pt), batch(b), lay(cfg),
-        geo(cfg.geometry()), mpps(cfg.max_pages_per_seq()), hot(state),
+        geo(cfg.geometry()), max_pages_per_seq(cfg.max_pages_per_seq()), hot(state),
         lanes(state + lay.lanes), lscratch(state + lay.scratch_a),
         lscratch_stride(lay.scratch_b - lay.scratch_a) {}
 
@@ -83,9 +80,9 @@ struct BlinkSched {
   BLINK_HD int32_t& s(int i) const { return hot[lay.scalars + i]; }
   BLINK_HD int32_t& lane(int f, int64_t l) const { return lanes[f * c.max_seqs + l]; }
   // Scratch arrays indexed by lane, admission order or frontend worker (k = 0..3).
-  BLINK_HD int32_t* lscr(int k) const { return lscratch + k * lscratch_stride; }
+  BLINK_HD int32_t* lane_scratch(int k) const { return lscratch + k * lscratch_stride; }
   BLINK_HD int32_t* region(int64_t off) const { return st + off; }
-  BLINK_HD int32_t& pt(int64_t l, int64_t p) const { return page_table[l * mpps + p]; }
+  BLINK_HD int32_t& pt(int64_t l, int64_t p) const { return page_table[l * max_pages_per_seq + p]; }
   BLINK_HD int32_t* tok_array(int a) const { return batch + B_HEADER_WORDS + a * c.token_budget; }
   BLINK_HD int32_t* sample_array(int a) const {
     return batch + B_HEADER_WORDS + BT_NUM * c.token_budget + a * c.max_seqs;
@@ -338,7 +335,7 @@ struct BlinkSched {
   // moved makes the reads acquire: the frontend writes a cancel word before it rings.
   template <class X, class Poll>
   BLINK_HD void begin_pass(const X& x, bool first, const Poll& poll) const {
-    int32_t* shutdown = lscr(0);
+    int32_t* shutdown = lane_scratch(0);
     x.sum_then_lead(
         BLINK_MAX_WORKERS + 1,
         [&](int64_t w) -> uint32_t {
@@ -428,7 +425,7 @@ struct BlinkSched {
   }
   template <class X>
   BLINK_HD void decode_pass(const X& x) const {
-    int32_t* off = lscr(0);
+    int32_t* off = lane_scratch(0);
     const int32_t total =
         x.exclusive_scan(c.max_seqs, [&](int64_t l) { return decode_need(l); }, off);
     const int32_t nready = total & 0xffff, nneed = total >> 16;
@@ -691,8 +688,8 @@ struct BlinkSched {
   // Frees pages and lanes of finishing requests and writes their finish to the mailbox.
   template <class X>
   BLINK_HD void release_finished(const X& x) const {
-    int32_t *fin = lscr(0), *poff = lscr(1),
-            *loff = lscr(2);
+    int32_t *fin = lane_scratch(0), *poff = lane_scratch(1),
+            *loff = lane_scratch(2);
     x.parallel(c.max_seqs, [&](int64_t l) {
       fin[l] = lane(L_STATE, l) != LANE_FREE && lane(L_FINISH, l) != BLINK_FINISH_NONE;
     });
@@ -717,23 +714,23 @@ struct BlinkSched {
     });
     // Keep the admission order of the lanes that stay (stable compaction).
     int32_t* order = region(lay.order);
-    int32_t* keep = lscr(3);
+    int32_t* keep = lane_scratch(3);
     int32_t norder = s(S_ORDER_COUNT);
     x.parallel(norder, [&](int64_t i) { keep[i] = !fin[order[i]]; });
-    int32_t* dst = lscr(1);  // page offsets are no longer needed
+    int32_t* dst = lane_scratch(1);  // page offsets are no longer needed
     int32_t nkeep = x.exclusive_scan(norder, [&](int64_t i) { return keep[i]; }, dst);
-    int32_t* tmp = lscr(2);   // lane offsets are no longer needed
+    int32_t* tmp = lane_scratch(2);   // lane offsets are no longer needed
     x.parallel(norder, [&](int64_t i) {
       if (keep[i]) tmp[dst[i]] = order[i];
     });
     x.parallel(nkeep, [&](int64_t i) { order[i] = tmp[i]; });
     int32_t nerr = x.exclusive_scan(
         c.max_seqs, [&](int64_t l) { return fin[l] && lane(L_FINISH, l) == BLINK_FINISH_ERROR; },
-        lscr(1));
+        lane_scratch(1));
     int32_t ncanc = x.exclusive_scan(
         c.max_seqs,
         [&](int64_t l) { return fin[l] && lane(L_FINISH, l) == BLINK_FINISH_CANCELLED; },
-        lscr(2));
+        lane_scratch(2));
     x.parallel(c.max_seqs, [&](int64_t l) {
       if (!fin[l]) return;
       lane(L_STATE, l) = LANE_FREE;

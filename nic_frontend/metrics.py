@@ -12,12 +12,13 @@ Engine metrics, read from the mailbox header at scrape time (published by the GP
 """
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from blink_jax import env
 
 GPU_COUNTERS = ("loop_iterations", "steps", "tokens_generated", "prompt_tokens",
                 "requests_admitted", "requests_finished", "requests_errored",
@@ -67,8 +68,8 @@ class FrontendMetrics:
   def __init__(self, worker: int = 0, header_source: Callable[[], dict | None] | None = None,
                multiprocess_dir: str | None = None):
     self.worker = str(worker)
-    mp_dir = multiprocess_dir if multiprocess_dir is not None else os.environ.get(
-        "PROMETHEUS_MULTIPROC_DIR")
+    mp_dir = multiprocess_dir if multiprocess_dir is not None else env.get(
+        env.PROMETHEUS_MULTIPROC_DIR)
     self.multiprocess = bool(mp_dir)
     if self.multiprocess:
       from prometheus_client import multiprocess

@@ -14,10 +14,10 @@ import time
 import uuid
 from typing import Any, Sequence
 
-from blink_jax import mailbox as M
-from blink_jax import protocol as P
+from blink_jax.client import mailbox
+from blink_jax.client import protocol
 
-from nic_frontend.streaming import token_info
+from blink_jax.client.streaming import token_info
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
@@ -93,8 +93,8 @@ class GenRequest:
   include_usage: bool
   user: str | None = None
 
-  def slot_request(self, i: int, request_id: int = 0) -> M.Request:
-    return M.Request(prompt=self.prompts[i], max_tokens=self.max_tokens[i],
+  def slot_request(self, i: int, request_id: int = 0) -> mailbox.Request:
+    return mailbox.Request(prompt=self.prompts[i], max_tokens=self.max_tokens[i],
                      temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                      seed=self.seed, stop_ids=tuple(self.stop_token_ids),
                      num_logprobs=self.top_logprobs if self.logprobs else 0,
@@ -273,8 +273,8 @@ def _common(body: dict, limits: Limits, kind: str) -> dict:
   stop_ids = [] if stop_ids is None else _token_list(stop_ids, "stop_token_ids",
                                                       limits.vocab_size)
   stop_ids = list(dict.fromkeys(stop_ids))
-  if len(stop_ids) > P.MAX_STOP_IDS:
-    raise bad("stop_token_ids", f"'stop_token_ids' may hold at most {P.MAX_STOP_IDS} ids, "
+  if len(stop_ids) > protocol.MAX_STOP_IDS:
+    raise bad("stop_token_ids", f"'stop_token_ids' may hold at most {protocol.MAX_STOP_IDS} ids, "
                                 f"got {len(stop_ids)}")
   ignore_eos = _bool(body, "ignore_eos", False)
   user = body.get("user")
@@ -404,7 +404,7 @@ def parse_chat(body: Any, limits: Limits, tokenizer) -> GenRequest:
   # has <eos> (a base checkpoint's generation config).
   eot = getattr(tokenizer, "end_of_turn_id", None)
   if (eot is not None and not c["ignore_eos"] and eot not in c["stop_token_ids"]
-      and len(c["stop_token_ids"]) < P.MAX_STOP_IDS):
+      and len(c["stop_token_ids"]) < protocol.MAX_STOP_IDS):
     c["stop_token_ids"] = [*c["stop_token_ids"], eot]
   return GenRequest(prompts=[ids], logprobs=lp, top_logprobs=top or 0, **c)
 

@@ -24,18 +24,18 @@ from typing import Any
 
 from aiohttp import web
 
-from blink_jax import mailbox as M
-from blink_jax import protocol as P
+from blink_jax.client import mailbox
+from blink_jax.client import protocol
 
 from nic_frontend import openai_api as api
 from nic_frontend.metrics import FrontendMetrics
-from nic_frontend.streaming import ChoiceDecoder, DeviceError
+from blink_jax.client.streaming import ChoiceDecoder, DeviceError
 
 log = logging.getLogger("nic_frontend")
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
-STATE_NAMES = {P.EngineState.STARTING: "starting", P.EngineState.READY: "ready",
-               P.EngineState.STOPPED: "stopped"}
+STATE_NAMES = {protocol.EngineState.STARTING: "starting", protocol.EngineState.READY: "ready",
+               protocol.EngineState.STOPPED: "stopped"}
 
 
 class EngineUnavailable(Exception):
@@ -58,7 +58,7 @@ class Flight:
     self.device_done = False  # the device finished it (set on the asyncio side on delivery)
     self.request_id = request_id
 
-  async def next(self) -> M.Output:
+  async def next(self) -> mailbox.Output:
     item = await self.queue.get()
     if isinstance(item, BaseException):
       raise item
@@ -89,8 +89,6 @@ class DriverOptions:
 # The GPU publishes these counters after every commit, once the ring entries and finishes of
 # the step are written: while they do not change there is no new output in any slot, and one
 # 32-byte read replaces a read per slot in flight (a round trip each on a remote transport).
-_HINT_OFF = P.HEADER_DTYPE.fields["tokens_generated"][1]
-_HINT_LEN = P.HEADER_DTYPE.fields["requests_finished"][1] + 8 - _HINT_OFF
 
 
 class MailboxDriver:
@@ -101,16 +99,16 @@ class MailboxDriver:
   request's asyncio queue, and keeps a snapshot of the header (engine state, GPU counters).
   """
 
-  def __init__(self, region: M.Region, *, worker: int = 0, num_workers: int | None = None,
+  def __init__(self, region: mailbox.Region, *, worker: int = 0, num_workers: int | None = None,
                metrics: FrontendMetrics | None = None, options: DriverOptions | None = None):
     self.region = region
     self.worker = worker
     self.num_workers = num_workers
     self.metrics = metrics
     self.opt = options or DriverOptions()
-    self.client: M.MailboxClient | None = None
+    self.client: mailbox.MailboxClient | None = None
     self.header: dict | None = None
-    self.state: P.EngineState | None = None  # None: no valid header / transport down
+    self.state: protocol.EngineState | None = None  # None: no valid header / transport down
     self.last_error: str | None = None
     self.loop: asyncio.AbstractEventLoop | None = None
     self._cmds: collections.deque = collections.deque()
@@ -151,7 +149,7 @@ class MailboxDriver:
     return (self.worker << 48) | (next(self._ids) & ((1 << 48) - 1))
 
   # ---- asyncio side ----
-  async def submit(self, req: M.Request) -> Flight:
+  async def submit(self, req: mailbox.Request) -> Flight:
     """Places `req` in a free slot of this worker. Raises SlotsFullError, EngineUnavailable."""
     flight = Flight(asyncio.get_running_loop(), req.request_id)
     self._cmds.append(("submit", flight, req))
@@ -217,7 +215,7 @@ class MailboxDriver:
 
   def _connect(self) -> None:
     try:
-      h = M.read_header(self.region)
+      h = mailbox.read_header(self.region)
     except ValueError as e:  # no valid header yet: the engine is still creating it
       self.state, self.header, self.last_error = None, None, str(e)
       return
@@ -228,7 +226,7 @@ class MailboxDriver:
                   self.num_workers, int(h["num_workers"]))
     if not 0 <= self.worker < nw:
       raise ValueError(f"worker {self.worker} is outside 0..{nw - 1}")
-    self.client = M.MailboxClient(self.region, self.worker, nw)
+    self.client = mailbox.MailboxClient(self.region, self.worker, nw)
     self.slots_total = len(self.client.slots)
     if self.client.stale_slots:
       log.warning("worker %d: cancelled %d requests a previous worker left in flight",
@@ -240,16 +238,16 @@ class MailboxDriver:
     self._failures = 0
 
   def _refresh_header(self, now: float) -> None:
-    h = M.read_header(self.region)
-    self.header = {name: (h[name].tolist()) for name in P.HEADER_DTYPE.names}
+    h = mailbox.read_header(self.region)
+    self.header = {name: (h[name].tolist()) for name in protocol.HEADER_DTYPE.names}
     self._last_header = now
     try:
-      self.state = P.EngineState(int(h["engine_state"]))
+      self.state = protocol.EngineState(int(h["engine_state"]))
     except ValueError:
       self.state = None
     if self.client is not None and self.client.stale_slots:
       self.client.reclaim()
-    if self.state == P.EngineState.STOPPED and any(not f.abandoned
+    if self.state == protocol.EngineState.STOPPED and any(not f.abandoned
                                                    for f in self._active.values()):
       self._fail_all(EngineUnavailable("the engine stopped"), keep_slots=True)
     self._update_slots()
@@ -268,12 +266,12 @@ class MailboxDriver:
         if drain_deadline is not None:
           self._post(_resolve, flight.submitted, None,
                      EngineUnavailable("the frontend is shutting down"))
-        elif self.client is None or self.state != P.EngineState.READY:
+        elif self.client is None or self.state != protocol.EngineState.READY:
           self._post(_resolve, flight.submitted, None, EngineUnavailable(self.state_text()))
         else:
           try:
             slot = self.client.submit(req)
-          except (M.SlotsFullError, ValueError) as e:
+          except (mailbox.SlotsFullError, ValueError) as e:
             self._post(_resolve, flight.submitted, None, e)
           else:
             flight.slot = slot
@@ -304,17 +302,15 @@ class MailboxDriver:
       return False
     client = self.client
     now = time.monotonic()
-    hint = self.region.read(_HINT_OFF, _HINT_LEN)
+    hint = client.progress()
     if hint == self._last_hint and now - self._last_sweep < self.opt.full_sweep_s:
       return False
     self._last_hint, self._last_sweep = hint, now
     delivered = []
     finished = False
     ring = client.geo.ring_capacity
-    for slot, flight in list(self._active.items()):
-      out = client.poll(slot)
-      if not out.tokens and not out.finished:
-        continue
+    for slot, out in client.poll_many(list(self._active)):
+      flight = self._active[slot]
       if out.tokens and self.metrics is not None:
         self.metrics.output_fill.observe(len(out.tokens) / ring)
       if not flight.abandoned:
@@ -402,7 +398,7 @@ _HTTP_ERRORS = {404: ("Not found", "not_found"), 405: ("Method not allowed", "me
 class Frontend:
   """Routes, handlers and the driver of one worker."""
 
-  def __init__(self, region: M.Region, tokenizer, config: FrontendConfig,
+  def __init__(self, region: mailbox.Region, tokenizer, config: FrontendConfig,
                metrics: FrontendMetrics | None = None):
     self.tokenizer = tokenizer
     self.cfg = config
@@ -487,7 +483,7 @@ class Frontend:
   # ---- simple endpoints ----
   async def health(self, request: web.Request) -> web.Response:
     d = self.driver
-    ok = d.state == P.EngineState.READY and d.client is not None and not self.draining
+    ok = d.state == protocol.EngineState.READY and d.client is not None and not self.draining
     body = {"status": "ok" if ok else "unavailable",
             "engine_state": STATE_NAMES.get(d.state, "unreachable") if d.state is not None
             else "unreachable",
@@ -525,10 +521,10 @@ class Frontend:
 
   def _check_ready(self) -> None:
     d = self.driver
-    if self.draining or d.state != P.EngineState.READY or d.client is None:
+    if self.draining or d.state != protocol.EngineState.READY or d.client is None:
       code = ("shutting_down" if self.draining else
-              "engine_starting" if d.state == P.EngineState.STARTING else
-              "engine_stopped" if d.state == P.EngineState.STOPPED else "engine_unreachable")
+              "engine_starting" if d.state == protocol.EngineState.STARTING else
+              "engine_stopped" if d.state == protocol.EngineState.STOPPED else "engine_unreachable")
       raise api.ApiError(503, self._unavailable_text(), type="service_unavailable", code=code,
                          headers={"Retry-After": "5"})
 
@@ -600,7 +596,7 @@ class Frontend:
     except BaseException as e:
       for f in flights:
         self.driver.abandon(f, "error")
-      if isinstance(e, M.SlotsFullError):
+      if isinstance(e, mailbox.SlotsFullError):
         raise api.ApiError(429, f"The server is busy: all {self.driver.slots_total} request "
                                 f"slots of this worker are in use. Retry later.",
                            type="rate_limit_error", code="rate_limit_exceeded",
@@ -674,7 +670,7 @@ class _Run:
   @staticmethod
   def _api_error(e: Exception) -> api.ApiError:
     if isinstance(e, DeviceError):
-      if e.finish == P.Finish.ERROR:
+      if e.finish == protocol.Finish.ERROR:
         return api.ApiError(400, f"the engine rejected the request: {e}", code="invalid_value")
       return api.ApiError(500, str(e), code="engine_cancelled")
     return api.ApiError(503, str(e), type="service_unavailable", code="engine_unavailable")
@@ -783,7 +779,7 @@ class _Run:
       await self._send(resp, self._chunk([ch]))
 
 
-def create_app(region: M.Region, tokenizer, config: FrontendConfig,
+def create_app(region: mailbox.Region, tokenizer, config: FrontendConfig,
                metrics: FrontendMetrics | None = None) -> web.Application:
   """The aiohttp application of one frontend worker (its driver starts with the app)."""
   fe = Frontend(region, tokenizer, config, metrics)

@@ -62,15 +62,16 @@ def _write_ready(path: str, info: dict) -> None:
 
 
 async def serve(args: argparse.Namespace) -> int:
-  from blink_jax.tokenizer import Tokenizer
+  from blink_jax import env
+  from blink_jax.client.tokenizer import Tokenizer
   from nic_frontend import server as S
   from nic_frontend.transports import open_transport
 
-  token = os.environ.get("BLINK_RELAY_TOKEN")
+  token = env.relay_token()
   region = open_transport(args.transport, shm_name=args.shm_name, address=args.relay,
                           token=token)
   tokenizer = Tokenizer(args.tokenizer)
-  api_key = args.api_key if args.api_key is not None else os.environ.get("BLINK_API_KEY")
+  api_key = args.api_key if args.api_key is not None else env.api_key()
   cfg = S.FrontendConfig(model_name=args.model_name,
                          served_model_names=tuple(args.served_model_name), worker=args.worker,
                          num_workers=args.num_workers, api_key=api_key or None,

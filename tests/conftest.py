@@ -7,13 +7,20 @@ from pathlib import Path
 
 import pytest
 
-from blink_jax.xla_flags import configure_command_buffers
+from blink_jax.executor.xla_flags import configure_command_buffers
 
 configure_command_buffers()
 
 import jax.numpy as jnp  # noqa: E402  (after the flags)
 
-from blink_jax import checkpoint as ckpt  # noqa: E402
+from blink_jax.weights import checkpoint as ckpt  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tokenizer_path(tmp_path_factory) -> Path:
+  """The tiny SentencePiece model the fake-device and frontend tests share."""
+  from tests.fake_device import tiny_tokenizer
+  return tiny_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer"))
 
 
 @pytest.fixture(scope="session")

@@ -13,10 +13,11 @@ logprob(t) - j, like the scheduler tests' model.
 
 Also here: `tiny_tokenizer()` trains a small SentencePiece model shaped like Gemma's (ids 0..3 =
 <pad> <eos> <bos> <unk>, <start_of_turn>/<end_of_turn> control pieces, byte fallback, no
-normalization), and `FakeEngine`, the engine API scripts/serve.py drives, over the fake device.
+normalization), and `FakeEngine`, the engine API the serving supervisor drives, over the fake device.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,10 +29,11 @@ import time
 
 import numpy as np
 
-from blink_jax import batch as B
-from blink_jax import mailbox as M
-from blink_jax import protocol as P
-from blink_jax.ffi import HostScheduler, SchedConfig
+from blink_jax.native import batch as B
+from blink_jax.client import mailbox as M
+from blink_jax.client import protocol as P
+from blink_jax.native.ffi import SchedConfig
+from tests.host_scheduler import HostScheduler
 
 TOP = 4  # top-logprob alternatives the fake models report (= geometry max_top_logprobs)
 
@@ -241,18 +243,20 @@ class FakeDevice:
 
 
 class FakeEngine:
-  """What scripts/serve.py needs of blink_jax.engine.Engine, over a FakeDevice and shm."""
+  """What `nic_frontend.supervisor.Serving` uses of blink_jax.engine.Engine, over a
+  FakeDevice and shm."""
 
   def __init__(self, tokenizer_path: pathlib.Path, dc: DeviceConfig | None = None, *,
                model_name: str = "tiny", shm_name: str | None = None, story_text: str = STORY):
-    from blink_jax.tokenizer import Tokenizer
-    from nic_frontend.transports import shm
+    from blink_jax.client.tokenizer import Tokenizer
+    from blink_jax.client import shm
 
     dc = dc or DeviceConfig()
     tok = Tokenizer(str(tokenizer_path))
     dc = dataclasses.replace(dc, vocab_size=tok.vocab_size)
     self.region = shm.create_region(shm_name, dc.geometry.total_bytes)
     self.shm_name = self.region.name
+    self.mailbox_workers = dc.num_workers
     self.tokenizer_path = str(tokenizer_path)
     self.model_name = model_name
     self.max_context = dc.max_context
@@ -277,6 +281,38 @@ class FakeEngine:
 
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass
+class Running:
+  """A started FakeDevice over a fresh shm mailbox, and what its story decodes with."""
+  device: "FakeDevice"
+  region: object
+  tokenizer: object
+  story: list[int]
+
+
+@contextlib.contextmanager
+def running_device(tokenizer_path, dc: "DeviceConfig | None" = None, *, eos: bool = True,
+                   story: bool = True):
+  """A FakeDevice serving the tiny tokenizer's STORY (ending in EOS unless `eos` is False;
+  no story at all with story=False) from a new shm mailbox; stopped and unlinked after."""
+  from blink_jax.client import shm
+  from blink_jax.client.tokenizer import Tokenizer
+
+  tok = Tokenizer(str(tokenizer_path))
+  dc = dc or DeviceConfig()
+  if story:
+    dc = dataclasses.replace(dc, vocab_size=tok.vocab_size)
+  ids = tok.encode(STORY) + ([tok.eos_id] if eos else []) if story else None
+  region = shm.create_region(None, dc.geometry.total_bytes)
+  device = FakeDevice(region, dc, **({"story": ids} if story else {})).start()
+  try:
+    yield Running(device, region, tok, ids)
+  finally:
+    device.stop()
+    region.close()
+    region.unlink()
 
 
 def wait_until(pred, timeout: float = 20.0, interval: float = 0.01, what: str = "condition"):

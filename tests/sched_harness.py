@@ -15,10 +15,11 @@ from typing import Callable
 
 import numpy as np
 
-from blink_jax import batch as B
-from blink_jax import mailbox as M
-from blink_jax import protocol as P
-from blink_jax.ffi import HostScheduler, SchedConfig
+from blink_jax.native import batch as B
+from blink_jax.client import mailbox as M
+from blink_jax.client import protocol as P
+from blink_jax.native.ffi import SchedConfig
+from tests.host_scheduler import HostScheduler
 
 TOP = 3  # top logprob columns the fake model returns
 

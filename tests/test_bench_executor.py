@@ -1,4 +1,4 @@
-"""scripts/bench_executor.py and its per-token clock (scripts/token_clock.py)."""
+"""bench/executor.py and its per-token clock (bench/diag/token_clock.py)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scripts.token_clock import TokenClock
+from bench.diag.token_clock import TokenClock
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,9 +35,10 @@ def test_intervals_ignore_the_previous_request_of_the_slot():
 
 def test_cpu_run_writes_rows_for_every_mode_and_batch(tmp_path):
   out = tmp_path / "ex.json"
-  subprocess.run([sys.executable, "scripts/bench_executor.py", "--config", "tiny", "--dtype",
+  subprocess.run([sys.executable, "-m", "bench.executor", "--config", "tiny", "--dtype",
                   "float32", "--batches", "1,2", "--prompt", "16", "--tokens", "48",
-                  "--interference", "0", "--modes", "persistent,host", "--out", str(out)],
+                  "--interference", "0", "--modes", "persistent,host", "--gemv", "none",
+                  "--decode_rows", "8", "--out", str(out)],
                  cwd=ROOT, check=True, capture_output=True, timeout=600)
   res = json.loads(out.read_text())
   rows = res["results"]
@@ -49,3 +50,11 @@ def test_cpu_run_writes_rows_for_every_mode_and_batch(tmp_path):
     assert 0 < r["tpot_ms_p50"] <= r["tpot_ms_p99"]
     assert r["iterations_per_token"] > 0.9 and r["steps_per_token"] > 0.9  # header lags a step
   assert res["modes"]["persistent"]["loop_report"]["device_while"] is False  # CPU
+  # The kernels are flags (KernelOptions), recorded as asked and as resolved on the CPU; no
+  # BLINK_* environment is dumped.
+  assert res["kernels"]["asked"] == {"attention": "auto", "prefill": "reference", "norm": "auto",
+                                     "gemv": "none", "decode_rows": 8}
+  assert res["kernels"]["resolved"]["attention"] == "reference"
+  assert res["modes"]["persistent"]["kernels"]["gemv"] == "none"
+  assert "blink_env" not in res and res["fused_step"] is False
+  assert res["command"].startswith("python -m bench.executor --config tiny")

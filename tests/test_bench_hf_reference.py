@@ -1,15 +1,18 @@
-"""scripts/bench_hf_reference.py runs end to end (on the CPU, the 270M shape, a few tokens):
+"""bench/hf_reference.py runs end to end (on the CPU, the 270M shape, a few tokens):
 each compile mode gives a timed row, and eager vs transformers' automatic compilation are
 selected through generate()'s own arguments."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from scripts import bench_hf_reference as H
+from bench import hf_reference as H
 
 pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_compile_modes_map_to_generate_arguments():
@@ -21,9 +24,9 @@ def test_compile_modes_map_to_generate_arguments():
 
 def test_script_writes_a_row_per_mode(tmp_path):
   out = tmp_path / "hf.json"
-  subprocess.run([sys.executable, "-m", "scripts.bench_hf_reference", "--config", "gemma3-270m",
+  subprocess.run([sys.executable, "-m", "bench.hf_reference", "--config", "gemma3-270m",
                   "--prompt", "16", "--tokens", "3", "--repeats", "1", "--compile", "eager,auto",
-                  "--device", "cpu", "--out", str(out)], check=True, timeout=600)
+                  "--device", "cpu", "--out", str(out)], cwd=ROOT, check=True, timeout=600)
   result = json.loads(out.read_text())
   rows = result["results"]
   assert [r["compile"] for r in rows] == ["eager", "auto"]

@@ -1,4 +1,4 @@
-"""scripts/bench_serving.py: workload generators, metrics, and one run against a real frontend
+"""bench/serving.py: workload generators, metrics, and one run against a real frontend
 worker backed by the fake device (CPU, a few seconds)."""
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from blink_jax.tokenizer import Tokenizer
-from nic_frontend.transports import shm
-from scripts import bench_serving as BS
+from blink_jax.client.tokenizer import Tokenizer
+from blink_jax.client import shm
+from bench import serving as BS
 from tests import fake_device as FD
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,7 +162,7 @@ def server(tmp_path):
 
 def _run_tool(*args, timeout=120):
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_serving.py"), *args],
+  r = subprocess.run([sys.executable, "-m", "bench.serving", *args],
                      cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   return r.stdout

@@ -24,13 +24,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from blink_jax import checkpoint as ckpt
-from blink_jax.config import ModelConfig, tiny_config
-from blink_jax.convert import convert, expected_shapes, flatten, unflatten
+from blink_jax.weights import checkpoint as ckpt
+from blink_jax.model.config import ModelConfig, tiny_config
+from blink_jax.weights.convert import convert, expected_shapes, flatten, unflatten
 
 REPO = Path(__file__).resolve().parents[1]
-HAS_MODEL = importlib.util.find_spec("blink_jax.model") is not None
-needs_model = pytest.mark.skipif(not HAS_MODEL, reason="blink_jax/model.py does not exist yet")
+HAS_MODEL = importlib.util.find_spec("blink_jax.model.gemma") is not None
+needs_model = pytest.mark.skipif(not HAS_MODEL, reason="blink_jax/model/gemma.py does not exist yet")
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -45,7 +45,7 @@ def rel_err(ours, ref) -> float:
 
 
 def our_logits(cfg: ModelConfig, params, tokens) -> np.ndarray:
-  from blink_jax.model import Gemma
+  from blink_jax.model.gemma import Gemma
   model = Gemma.from_params(cfg, params, dtype=jnp.float32, param_dtype=jnp.float32)
   return np.asarray(model.dense_forward(jnp.asarray(tokens, jnp.int32)))
 
@@ -55,7 +55,7 @@ def our_logits(cfg: ModelConfig, params, tokens) -> np.ndarray:
 
 @pytest.mark.slow
 def test_gguf_config(gemma):
-  from blink_jax.config import get_config
+  from blink_jax.model.config import get_config
   cfg, _ = gemma
   want = get_config("gemma3-270m")
   assert cfg.replace(rms_norm_eps=want.rms_norm_eps) == want
@@ -67,8 +67,8 @@ def test_gguf_weights_match_transformers_gguf_loader(gemma, hf_gemma):
   """Our dequantized tree equals what transformers reads from the same GGUF, in our layout."""
   cfg, params = gemma
   _, tensors = hf_gemma
-  from blink_jax.convert.hf import _LAYER
-  from blink_jax.convert import layer_from_linear
+  from blink_jax.weights.convert.hf import _LAYER
+  from blink_jax.weights.convert import layer_from_linear
   ref = {"embed": tensors["model.embed_tokens.weight"],
          "final_norm": tensors["model.norm.weight"], "layers": {}}
   for i in range(cfg.num_layers):
@@ -108,7 +108,7 @@ def test_gemma3_270m_greedy_matches_transformers(gemma, hf_gemma, gemma_tokenize
   once and decodes all prompts together."""
   torch = pytest.importorskip("torch")
   from flax import nnx
-  from blink_jax.model import Gemma
+  from blink_jax.model.gemma import Gemma
   cfg, params = gemma
   model, _ = hf_gemma
   ours_model = Gemma.from_params(cfg, params, dtype=jnp.float32, param_dtype=jnp.float32)
@@ -238,7 +238,7 @@ def test_gemma_flax_checkpoint_matches_gemma_library(case, tmp_path):
   assert out.config == cfg and out.tokenizer_model is None
   assert {k: v.shape for k, v in flatten(out.params).items()} == expected_shapes(cfg)
   if not HAS_MODEL:
-    pytest.skip("blink_jax/model.py does not exist yet (tree checked, forward not)")
+    pytest.skip("blink_jax/model/gemma.py does not exist yet (tree checked, forward not)")
   ref = np.asarray(lib.apply({"params": params}, jnp.asarray(tokens)))
   err = rel_err(our_logits(cfg, out.params, tokens), ref)
   assert err < 1e-5, err
@@ -265,7 +265,7 @@ def test_gemma_flax_config_inferred_from_shapes(tmp_path, monkeypatch):
   """Without a config, the CONFIGS row with the checkpoint's family and shapes is used (its
   window, pattern, RoPE...), the vocabulary coming from the weights; with no such row, the
   family's defaults."""
-  from blink_jax import config as config_module
+  from blink_jax.model import config as config_module
   known = tiny_config("gemma3", sliding_window=7, name="known-tiny")
   monkeypatch.setitem(config_module.CONFIGS, known.name, known)
   save_orbax(tmp_path / "a", gemma_layout_zeros(known.replace(vocab_size=100)))
@@ -337,7 +337,7 @@ def test_hf_checkpoint_matches_transformers(family, tmp_path):
     assert flatten(out.params)["embed"].dtype == ml_dtypes.bfloat16
   assert (cfg.vocab_size, cfg.d_model, cfg.num_layers, cfg.head_dim) == (384, 48, 5, 12)
   if not HAS_MODEL:
-    pytest.skip("blink_jax/model.py does not exist yet (config and tree checked)")
+    pytest.skip("blink_jax/model/gemma.py does not exist yet (config and tree checked)")
   tokens = np.random.default_rng(3).integers(0, 384, (2, 24))
   with torch.no_grad():
     ref = model(torch.tensor(tokens)).logits.float().numpy()
@@ -422,7 +422,7 @@ def test_catalog_gemma_converted_once_then_reused(gemma_dir, checkpoint_root, mo
   monkeypatch.setenv("BLINK_CHECKPOINT_DIR", str(checkpoint_root))
   def fail(*a, **k):
     raise AssertionError("converted again")
-  monkeypatch.setattr("blink_jax.convert.convert", fail)
+  monkeypatch.setattr("blink_jax.weights.convert.convert", fail)
   assert ckpt.resolve_checkpoint("gemma") == gemma_dir
   assert ckpt.resolve_checkpoint(str(gemma_dir)) == gemma_dir  # a path resolves to itself
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from blink_jax import cuda_gemv
-from blink_jax.model import MLP, add_rms_norm, sum_partials
-from blink_jax.pallas_norm import add_rms_norm as add_rms_norm_kernel
+from blink_jax.kernels import cuda_gemv
+from blink_jax.model.gemma import MLP, add_rms_norm, sum_partials
+from blink_jax.kernels.pallas_norm import add_rms_norm as add_rms_norm_kernel
 from tests.cuda_lowering import require_gpu
 
 

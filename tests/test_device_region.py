@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from blink_jax import mailbox as M
-from blink_jax import protocol as P
+from blink_jax.client import mailbox as M
+from blink_jax.client import protocol as P
 
 
 def _gpu():
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu(), reason="no CUDA GP
 
 
 def test_device_region_round_trip_and_header():
-  from blink_jax.device_region import DeviceRegion
+  from blink_jax.native.device_region import DeviceRegion
   geo = P.Geometry(8, 16, 16, 0)
   region = DeviceRegion(geo.total_bytes)
   try:

@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from blink_jax import Engine, EngineStoppedError, SamplingParams
-from blink_jax import mailbox as M
-from blink_jax.config import tiny_config
-from blink_jax.model import Gemma
-from blink_jax.tokenizer import Tokenizer
+from blink_jax import Engine
+from blink_jax import EngineStoppedError
+from blink_jax import SamplingParams
+from blink_jax.client import mailbox as M
+from blink_jax.model.config import tiny_config
+from blink_jax.model.gemma import Gemma
+from blink_jax.client.tokenizer import Tokenizer
 from tests.fake_device import tiny_tokenizer
 
 ENGINE_KW = dict(max_seqs=4, page_size=4, max_context=96, num_slots=16, ring_capacity=8,
@@ -214,7 +216,9 @@ def test_warm_up_workload_takes_every_bucket_then_serves(model, dense, mode):
   buckets up to max_seqs, one prompt as long as each larger bucket; afterwards nothing is
   left running and the engine answers like the dense model."""
   p = [5, 6, 7, 8]
-  want = dense(p, 5)  # before the engine holds an XLA CPU thread (docs/NOTES.md, finding 13)
+  # Before the engine holds an XLA CPU thread (docs/NOTES.md, "A persistent loop holds an XLA
+  # CPU thread").
+  want = dense(p, 5)
   with Engine(model, None, mode=mode, warm_up=True, **ENGINE_KW) as eng:
     s = eng.stats()
     small = [b for b in ENGINE_KW["buckets"] if b <= ENGINE_KW["max_seqs"]]
@@ -239,7 +243,7 @@ def test_every_carry_output_reuses_its_donated_buffer(model, mode, fused):
 
 @pytest.mark.xfail(strict=True, reason="XLA's CPU backend still copies every layer's cache in "
                    "one bucket branch (in the 270M loop: bucket 1, whose one-row write becomes a "
-                   "dynamic-update-slice); docs/NOTES.md, finding 17")
+                   "dynamic-update-slice); docs/NOTES.md, 'Whole-cache copies on the CPU backend'")
 @pytest.mark.parametrize("kv_heads", [1, 2])
 def test_compiled_loop_never_copies_the_kv_cache(kv_heads):
   """The loop should update the cache in place. (With a [.., K, h] cache and K == 1, the
@@ -329,56 +333,34 @@ def test_pallas_kernels_equal_the_dense_reference(model, dense, mode, attention,
   prompts = [[3, 4, 5], [6] * 20, list(range(10, 50))]
   want = [dense(p, 6) for p in prompts]
   with Engine(model, None, mode=mode, attention=attention, norm=norm, **ENGINE_KW) as eng:
-    assert (eng.executor.attention, eng.executor.norm) == (attention, norm)
+    assert (eng.config.kernels.attention, eng.config.kernels.norm) == (attention, norm)
     outs = eng.generate(prompt_token_ids=prompts,
                         sampling=SamplingParams(max_tokens=6, ignore_eos=True))
     assert [o.token_ids for o in outs] == want
     assert eng.stats()["pages_in_use"] == 0
 
 
-def _pallas_engine_equals_the_dense_reference(model, dense):
+def _pallas_engine_equals_the_dense_reference(model, dense, **kernels):
   prompts = [[3, 4, 5], [6] * 20, list(range(10, 50))]
   want = [dense(p, 6) for p in prompts]
-  with Engine(model, None, attention="pallas", norm="pallas", **ENGINE_KW) as eng:
+  with Engine(model, None, attention="pallas", norm="pallas", **kernels, **ENGINE_KW) as eng:
     outs = eng.generate(prompt_token_ids=prompts,
                         sampling=SamplingParams(max_tokens=6, ignore_eos=True))
     assert [o.token_ids for o in outs] == want
     assert eng.stats()["pages_in_use"] == 0
 
 
-def test_pallas_prefill_kernel_equals_the_dense_reference(model, dense, monkeypatch):
-  # Buckets above 4 tokens take the prefill kernel (blocks of tokens, each block's pages
-  # read once), as buckets above 64 do when BLINK_PALLAS_PREFILL=1.
-  from blink_jax import pallas_attention, pallas_prefill
-  monkeypatch.setattr(pallas_attention, "MAX_ROWS", 4)
-  monkeypatch.setattr(pallas_prefill, "ENABLED", True)
-  _pallas_engine_equals_the_dense_reference(model, dense)
+def test_pallas_prefill_kernel_equals_the_dense_reference(model, dense):
+  # Steps above 4 tokens take the prefill kernel (blocks of tokens, each block's pages read
+  # once), as steps above 64 do with prefill="pallas" and the default decode_rows.
+  _pallas_engine_equals_the_dense_reference(model, dense, prefill="pallas", decode_rows=4)
 
 
-@pytest.mark.parametrize("switches", [("pallas_ffw",), ("pallas_out",),
-                                      ("pallas_ffw", "pallas_out"), ("cuda_gemv", "pallas_out")])
-def test_partial_sum_kernels_equal_the_dense_reference(model, dense, monkeypatch, switches):
-  # Steps of up to 8 tokens run the fused down projection (BLINK_PALLAS_FFW=1; or the GEMV
-  # for all four projections, jnp partial sums off the GPU) and/or the merge inside the output
-  # projection (BLINK_PALLAS_OUT=1), whose partial sums the add + norm kernel adds up;
-  # larger buckets keep XLA's matmuls.
-  import importlib
-  for name in switches:
-    module = importlib.import_module(f"blink_jax.{name}")
-    # The GEMV takes every projection it can (the output's before the merge kernel).
-    on = module.projections_from("qkv+out+down+gate_up") if name == "cuda_gemv" else True
-    monkeypatch.setattr(module, "ENABLED", on)
-  _pallas_engine_equals_the_dense_reference(model, dense)
-
-
-def test_qkv_partials_summed_by_the_prepare_kernel_equal_the_dense_reference(model, dense,
-                                                                          monkeypatch):
-  # BLINK_GEMV_QKV_PARTIALS=1: the q/k/v GEMV's partial sums (jnp off the GPU) go to the q/k
-  # prepare kernel, which adds them up.
-  from blink_jax import cuda_gemv
-  monkeypatch.setattr(cuda_gemv, "ENABLED", cuda_gemv.projections_from("1"))
-  monkeypatch.setattr(cuda_gemv, "QKV_PARTIALS", True)
-  _pallas_engine_equals_the_dense_reference(model, dense)
+def test_gemv_partial_sums_equal_the_dense_reference(model, dense):
+  # Steps of up to 8 tokens run all four projections through the GEMV (jnp partial sums off
+  # the GPU), whose output and down partial sums the add + norm kernel adds up; larger steps
+  # keep XLA's matmuls.
+  _pallas_engine_equals_the_dense_reference(model, dense, gemv="qkv+out+down+gate_up")
 
 
 def test_unknown_kernels_are_refused(model):
@@ -386,35 +368,42 @@ def test_unknown_kernels_are_refused(model):
     Engine(model, None, attention="flash", **ENGINE_KW)
   with pytest.raises(ValueError, match="norm must be one of"):
     Engine(model, None, norm="fused", **ENGINE_KW)
+  with pytest.raises(ValueError, match="unknown projection"):
+    Engine(model, None, gemv="qkv+lm_head", **ENGINE_KW)
+  with pytest.raises(TypeError, match="unknown engine option"):
+    Engine(model, None, atention="pallas", **ENGINE_KW)
 
 
-def test_auto_attention_is_the_kernel_on_a_gpu_only(model):
-  from blink_jax.config import resolve_kernel
-  assert resolve_kernel("auto", "gpu", "attention") == "pallas"
-  assert resolve_kernel("auto", "cpu", "attention") == "reference"
-  assert resolve_kernel("reference", "gpu", "attention") == "reference"
+def test_auto_kernels_are_the_fast_ones_on_a_gpu_only(model):
+  from blink_jax.engine import KernelOptions
+  gpu, cpu = KernelOptions().resolved("gpu"), KernelOptions().resolved("cpu")
+  assert (gpu.attention, gpu.norm, gpu.prefill, gpu.gemv) == ("pallas", "pallas", "reference",
+                                                              "qkv+out+down")
+  assert (cpu.attention, cpu.norm, cpu.prefill, cpu.gemv) == ("reference",) * 3 + ("none",)
+  assert KernelOptions(attention="reference").resolved("gpu").attention == "reference"
   with Engine(model, None, **ENGINE_KW) as eng:  # the default on this CPU
-    assert eng.executor.attention == "reference"
+    assert eng.executor.kernels == cpu
+    assert eng.config.kernels == cpu
 
 
 def test_auto_kernels_fall_back_loudly_when_they_do_not_compile(model, monkeypatch, caplog):
   # A GPU whose Triton cannot build a kernel: "auto" serves with the jnp reference and says
   # so; asked for by name, the error stands.
-  from blink_jax import config, pallas_attention
+  import dataclasses
 
-  def broken(kind, rows, **kw):
-    if kind == "pallas":
-      def fail(*a, **k):
-        raise RuntimeError("RESOURCE_EXHAUSTED: Shared memory size limit exceeded")
-      return fail
-    return pallas_attention.paged_attention_reference
-  real_resolve = config.resolve_kernel
-  monkeypatch.setattr(config, "resolve_kernel",
-                      lambda kind, platform, what: real_resolve(kind, "gpu", what))
-  monkeypatch.setattr(pallas_attention, "select", broken)
+  from blink_jax.engine import KernelOptions
+  from blink_jax.kernels import pallas_attention
+
+  def fail(*a, **k):
+    raise RuntimeError("RESOURCE_EXHAUSTED: Shared memory size limit exceeded")
+  real_resolved = KernelOptions.resolved
+  monkeypatch.setattr(KernelOptions, "resolved", lambda self, platform: dataclasses.replace(
+      real_resolved(self, "gpu"), gemv="none"))
+  monkeypatch.setattr(pallas_attention, "paged_decode_attention", fail)
   with caplog.at_level("WARNING", logger="blink_jax"):
     with Engine(model, None, **ENGINE_KW) as eng:
-      assert eng.executor.attention == "reference"
+      assert eng.executor.kernels.attention == "reference"
+      assert eng.config.kernels.attention == "reference"
       out = eng.generate(prompt_token_ids=[3, 4, 5], sampling=SamplingParams(max_tokens=3))
       assert len(out.token_ids) == 3
   assert "falling back to the jnp reference" in caplog.text

@@ -5,9 +5,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from blink_jax import Engine, SamplingParams
-from blink_jax import checkpoint as ckpt
-from blink_jax.model import Gemma
+from blink_jax import Engine
+from blink_jax import SamplingParams
+from blink_jax.weights import checkpoint as ckpt
+from blink_jax.model.gemma import Gemma
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
 

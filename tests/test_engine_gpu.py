@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from blink_jax import Engine, SamplingParams
-from blink_jax.config import tiny_config
-from blink_jax.model import Gemma
+from blink_jax import Engine
+from blink_jax import SamplingParams
+from blink_jax.model.config import tiny_config
+from blink_jax.model.gemma import Gemma
 
 
 def _gpus():
@@ -56,7 +57,7 @@ def test_gpu_tokens_equal_cpu_tokens(mode, fused, attention, norm):
     np.testing.assert_allclose(c.logprobs, g.logprobs, atol=1e-2)
 
 
-def _tiny_engine_tokens_on_cpu_and_gpu(model_seed: int, prompt_seed: int) -> dict:
+def _tiny_engine_tokens_on_cpu_and_gpu(model_seed: int, prompt_seed: int, **kernels) -> dict:
   """Greedy tokens of a 4-layer tiny model for three prompts (3, 30 and 100 tokens) through
   a Pallas engine on the CPU (Pallas' interpreter) and on the GPU (Triton)."""
   cfg = tiny_config("gemma3", vocab_size=512, num_layers=4)
@@ -67,30 +68,26 @@ def _tiny_engine_tokens_on_cpu_and_gpu(model_seed: int, prompt_seed: int) -> dic
   for dev in (jax.devices("cpu")[0], _gpus()[0]):
     with jax.default_device(dev):
       model = Gemma(cfg, dtype=jnp.float32, rngs=nnx.Rngs(model_seed))
-    with Engine(model, None, device=dev, attention="pallas", norm="pallas", **KW) as eng:
+    with Engine(model, None, device=dev, attention="pallas", norm="pallas", **kernels,
+                **KW) as eng:
       outs[dev.platform] = [o.token_ids for o in eng.generate(prompt_token_ids=prompts,
                                                              sampling=sp)]
   return outs
 
 
-def test_gpu_prefill_kernel_tokens_equal_cpu_tokens(monkeypatch):
-  # Buckets above 4 tokens through the Pallas prefill kernel (BLINK_PALLAS_PREFILL=1 does
-  # this for buckets above 64), with the Pallas norm kernels.
-  from blink_jax import pallas_attention, pallas_prefill
-  monkeypatch.setattr(pallas_attention, "MAX_ROWS", 4)
-  monkeypatch.setattr(pallas_prefill, "ENABLED", True)
-  outs = _tiny_engine_tokens_on_cpu_and_gpu(model_seed=4, prompt_seed=2)
+def test_gpu_prefill_kernel_tokens_equal_cpu_tokens():
+  # Steps above 4 tokens through the Pallas prefill kernel (prefill="pallas" does this for
+  # steps above 64 with the default decode_rows), with the Pallas norm kernels.
+  outs = _tiny_engine_tokens_on_cpu_and_gpu(model_seed=4, prompt_seed=2, prefill="pallas",
+                                            decode_rows=4)
   assert outs["cpu"] == outs["gpu"]
 
 
-def test_gpu_partial_sum_kernels_tokens_equal_cpu_tokens(monkeypatch):
-  # Bucket-4 steps through the fused down projection (BLINK_PALLAS_FFW=1) and the merge
-  # inside the output projection (BLINK_PALLAS_OUT=1), whose partial sums the add + norm
-  # kernel adds up.
-  from blink_jax import pallas_ffw, pallas_out
-  monkeypatch.setattr(pallas_ffw, "ENABLED", True)
-  monkeypatch.setattr(pallas_out, "ENABLED", True)
-  outs = _tiny_engine_tokens_on_cpu_and_gpu(model_seed=6, prompt_seed=5)
+def test_gpu_gemv_partial_sums_tokens_equal_cpu_tokens():
+  # Small steps through the CUDA GEMV for all four projections (its jnp stand-in on the
+  # CPU), whose output and down partial sums the add + norm kernel adds up.
+  outs = _tiny_engine_tokens_on_cpu_and_gpu(model_seed=6, prompt_seed=5,
+                                            gemv="qkv+out+down+gate_up")
   assert outs["cpu"] == outs["gpu"]
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import http.client
-import importlib.util
 import json
 import signal
 import subprocess
@@ -24,10 +23,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from blink_jax import protocol as P
-from blink_jax.tokenizer import Tokenizer
+from blink_jax.client import protocol as P
+from blink_jax.client.tokenizer import Tokenizer
 from nic_frontend import openai_api as api
-from nic_frontend.transports import shm, tcp
+from blink_jax.client import shm
+from nic_frontend.transports import tcp
 from tests import fake_device as FD
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,11 +37,6 @@ MAX_BODY = 64 * 1024
 
 
 wait_until = FD.wait_until
-
-
-@pytest.fixture(scope="module")
-def tokenizer_path(tmp_path_factory) -> Path:
-  return FD.tiny_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @dataclasses.dataclass
@@ -123,11 +118,12 @@ def _start_worker(tmp: Path, tokenizer_path: Path, args: list[str], env: dict) -
 def stack(request, tokenizer_path, tmp_path_factory):
   transport = request.param
   tmp = tmp_path_factory.mktemp(f"stack-{transport}")
-  tok = Tokenizer(str(tokenizer_path))
-  story = tok.encode(FD.STORY) + [tok.eos_id]
-  dc = FD.DeviceConfig(vocab_size=tok.vocab_size)
-  region = shm.create_region(None, dc.geometry.total_bytes)
-  device = FD.FakeDevice(region, dc, story=story).start()
+  with FD.running_device(tokenizer_path) as fake:
+    yield from _stack(transport, tmp, tokenizer_path, fake)
+
+
+def _stack(transport, tmp, tokenizer_path, fake):
+  region, device, tok, story = fake.region, fake.device, fake.tokenizer, fake.story
   relay = None
   env = {"BLINK_API_KEY": API_KEY}
   if transport == "shm":
@@ -150,11 +146,8 @@ def stack(request, tokenizer_path, tmp_path_factory):
       proc.kill()
       code = "killed"
     print(f"--- worker log ({transport}) ---\n{log.read_text()[-4000:]}")
-    device.stop()
     if relay is not None:
       relay.stop()
-    region.close()
-    region.unlink()
     assert code == 0, f"worker exit code {code}"
 
 
@@ -799,8 +792,8 @@ def test_parse_completion_defaults(tokenizer_path):
 
 def test_frontend_does_not_import_jax():
   code = ("import sys, nic_frontend, nic_frontend.server, nic_frontend.worker, "
-          "nic_frontend.openai_api, nic_frontend.streaming, nic_frontend.metrics, "
-          "nic_frontend.transports.shm, nic_frontend.transports.tcp, "
+          "nic_frontend.openai_api, blink_jax.client.streaming, nic_frontend.metrics, nic_frontend.supervisor, "
+          "blink_jax.client.shm, nic_frontend.transports.tcp, "
           "nic_frontend.transports.rdma; "
           "bad = [m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')]; "
           "assert not bad, bad")
@@ -809,26 +802,16 @@ def test_frontend_does_not_import_jax():
   assert run.returncode == 0, run.stderr
 
 
-# ---- scripts/serve.py with two workers on one port ------------------------------------------
-
-def _load_serve():
-  """scripts/serve.py as a module (once: it defines absl flags)."""
-  if "blink_serve" not in sys.modules:
-    spec = importlib.util.spec_from_file_location("blink_serve", REPO / "scripts" / "serve.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["blink_serve"] = mod  # dataclasses look the module up while it executes
-    spec.loader.exec_module(mod)
-  return sys.modules["blink_serve"]
-
+# ---- the serving supervisor with two workers on one port -----------------------------------
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_serve_two_workers_share_a_port(tokenizer_path, tmp_path, transport):
-  serve = _load_serve()
+  from nic_frontend.supervisor import ServeOptions, Serving
   engine = FD.FakeEngine(tokenizer_path, FD.DeviceConfig(num_workers=2), model_name=MODEL)
   sock_port = _free_port()
-  opts = serve.ServeOptions(host="127.0.0.1", port=sock_port, transport=transport, workers=2,
-                            api_key=API_KEY, grace_s=10.0, run_dir=str(tmp_path))
-  server = serve.Serving(engine, opts)
+  opts = ServeOptions(host="127.0.0.1", port=sock_port, transport=transport, workers=2,
+                      api_key=API_KEY, grace_s=10.0, run_dir=str(tmp_path))
+  server = Serving(engine, opts)
   stopped = False
   try:
     server.start()
@@ -874,30 +857,18 @@ def test_serve_two_workers_share_a_port(tokenizer_path, tmp_path, transport):
       server.stop()
 
 
-@pytest.mark.parametrize("argv,fused", [([], None), (["--fused_step"], True)])
-def test_serve_hands_its_loop_options_to_the_engine(argv, fused):
-  from absl.testing import flagsaver
-  serve = _load_serve()
-  seen = {}
+def test_serve_flags_are_the_engine_config():
+  """serve.py's engine flags are EngineConfig's and KernelOptions' fields (engine_config)."""
+  run = subprocess.run([sys.executable, "scripts/serve.py", "--helpfull"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+  assert "--ckpt" in run.stdout, run.stderr  # (absl's --helpfull exits with 1)
+  import dataclasses
 
-  class Recorder:  # an Engine whose from_checkpoint creates the mailbox itself
-    region, shm_name, mailbox_workers = None, "rec", 1
-
-    @classmethod
-    def from_checkpoint(cls, ckpt, *, shm_name=None, **kw):
-      seen.update(kw, ckpt=ckpt)
-      return cls()
-
-  parsed = serve.FLAGS.is_parsed()
-  try:
-    with flagsaver.flagsaver():
-      serve.FLAGS(["serve.py", "--ckpt=gemma", "--mode=persistent", *argv])
-      serve.make_engine(Recorder)
-  finally:
-    if not parsed:
-      serve.FLAGS.unparse_flags()
-  assert seen["ckpt"] == "gemma" and seen["mode"] == "persistent"
-  assert seen.get("fused_step") is fused
+  from blink_jax.engine_config import EngineConfig, KernelOptions
+  for cls in (EngineConfig, KernelOptions):
+    for f in dataclasses.fields(cls):
+      if f.name != "kernels":
+        assert f"--{f.name}:" in run.stdout or f"--[no]{f.name}:" in run.stdout, f.name
 
 
 def _free_port() -> int:
@@ -919,7 +890,7 @@ def test_worker_exits_when_its_supervisor_dies(tokenizer_path, tmp_path):
   """A worker must not keep serving a mailbox when serve.py was killed outright."""
   dc = FD.DeviceConfig(num_slots=4)
   region = shm.create_region(None, dc.geometry.total_bytes)
-  from blink_jax import mailbox as M
+  from blink_jax.client import mailbox as M
   M.init_header(region, dc.geometry, vocab_size=320, max_context=dc.max_context, num_workers=1,
                 eos_id=1)
   ready = tmp_path / "ready.json"

@@ -1,11 +1,11 @@
-"""scripts/hlo_kernels.py: kernel counts per bucket branch of a compiled loop."""
+"""bench/diag/hlo_kernels.py: kernel counts per bucket branch of a compiled loop."""
 import jax.numpy as jnp
 from flax import nnx
 
 from blink_jax import Engine
-from blink_jax.config import tiny_config
-from blink_jax.model import Gemma
-from scripts import hlo_kernels as H
+from blink_jax.model.config import tiny_config
+from blink_jax.model.gemma import Gemma
+from bench.diag import hlo_kernels as H
 
 HLO = """
 %small (p: f32[2]) -> f32[2] {

@@ -1,10 +1,10 @@
-"""scripts/kernel_profile.py: GPU kernel time per loop iteration from a perfetto trace."""
+"""bench/kernel_profile.py: GPU kernel time per loop iteration from a perfetto trace."""
 import gzip
 import json
 
 import pytest
 
-from scripts import kernel_profile as K
+from bench import kernel_profile as K
 
 
 def _trace(kernels, host_events=()):

@@ -1,4 +1,4 @@
-"""The loop probes behind scripts/diag_loop_overhead.py and bench_step.py (CPU: timing and
+"""The loop probes behind bench/diag/loop_overhead.py and bench/step.py (CPU: timing and
 composition only; the scheduler probes need a GPU mailbox)."""
 import os
 
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scripts import loop_probes as D
+from bench.diag import loop_probes as D
 
 
 def test_composed_body_runs_each_part_on_its_own_carry():
@@ -49,7 +49,7 @@ def test_engine_probe_serves_its_requests():
   import jax
   from jax import lax
 
-  from blink_jax import mailbox as M
+  from blink_jax.client import mailbox as M
   body, rest, box, _ = D.variant("enginehost-tiny-b2")
   out = jax.jit(lambda r: lax.while_loop(lambda c: c[0] < 12, body, (jnp.int32(0), *r)))(rest)
   jax.block_until_ready(out)
@@ -62,8 +62,8 @@ def test_engine_probe_serves_its_requests():
 
 def test_bench_step_without_command_buffers_keeps_the_decode_flags(monkeypatch):
   """Kernel-by-kernel steps (for profiles) must be the engine's program: same decode flags."""
-  from blink_jax import xla_flags
-  from scripts import bench_step
+  from blink_jax.executor import xla_flags
+  from bench import step as bench_step
   monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
   bench_step.configure_xla(command_buffers=False)
   flags = os.environ["XLA_FLAGS"].split()

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from blink_jax.config import tiny_config
-from blink_jax.model import Gemma, init_kv_cache
+from blink_jax.model.config import tiny_config
+from blink_jax.model.gemma import Gemma, init_kv_cache
 
 # Gemma 3 with linear RoPE scaling on global layers (as 4B+); Gemma 2 with soft-caps small enough
 # to bend random-weight logits (the real 50 / 30 would be the identity here).
@@ -254,7 +254,7 @@ def test_dense_forward_matches_hf(family):
 
 
 def contract_shapes(cfg):
-  """The parameter tree of docs/CONTRACTS.md as {path: shape}."""
+  """The parameter tree of docs/ARCHITECTURE.md, "Parameter tree", as {path: shape}."""
   d, n, k, h, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffw_hidden
   shapes = {"embed": (cfg.vocab_size, d), "final_norm": (d,)}
   for i in range(cfg.num_layers):

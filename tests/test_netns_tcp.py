@@ -12,8 +12,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from blink_jax.tokenizer import Tokenizer
-from nic_frontend.transports import shm, tcp
+from blink_jax.client.tokenizer import Tokenizer
+from blink_jax.client import shm
+from nic_frontend.transports import tcp
 from tests import fake_device as FD
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,14 +51,15 @@ def netns():
     subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def test_frontend_in_another_namespace_serves_through_the_relay(netns, tmp_path):
+def test_frontend_in_another_namespace_serves_through_the_relay(netns, tmp_path,
+                                                               tokenizer_path):
+  with FD.running_device(tokenizer_path) as fake:
+    _serve_through_the_relay(netns, tmp_path, tokenizer_path, fake)
+
+
+def _serve_through_the_relay(netns, tmp_path, tok_path, fake):
   ns, host_ip, ns_ip = netns
-  tok_path = FD.tiny_tokenizer(tmp_path)
-  tok = Tokenizer(str(tok_path))
-  story = tok.encode(FD.STORY) + [tok.eos_id]
-  dc = FD.DeviceConfig(vocab_size=tok.vocab_size)
-  region = shm.create_region(None, dc.geometry.total_bytes)
-  device = FD.FakeDevice(region, dc, story=story).start()
+  region, tok, story = fake.region, fake.tokenizer, fake.story
   relay = tcp.TcpRelayServer(region, token="ns-token", host=host_ip).start()
   proc = None
   try:
@@ -77,12 +79,9 @@ def test_frontend_in_another_namespace_serves_through_the_relay(netns, tmp_path)
     assert streamed == r.choices[0].text
     with pytest.raises(openai.BadRequestError):
       client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, top_p=2.0)
-    assert int(device.header()["requests_finished"]) == 2
+    assert int(fake.device.header()["requests_finished"]) == 2
   finally:
     if proc is not None:
       proc.terminate()
       proc.wait(20)
     relay.stop()
-    device.stop()
-    region.close()
-    region.unlink()

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from blink_jax.attention import kv_rows, paged_attention_reference, write_kv
-from blink_jax import pallas_attention
-from blink_jax.pallas_attention import default_splits, paged_decode_attention
+from blink_jax.model.attention import kv_rows, paged_attention_reference, write_kv
+from blink_jax.kernels import pallas_attention
+from blink_jax.kernels.pallas_attention import default_splits, paged_decode_attention
 from tests.cuda_lowering import TRITON, lower_for_cuda, require_gpu
 
 

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from blink_jax import pallas_norm
-from blink_jax.model import add_rms_norm as reference
-from blink_jax.model import prepare_qkv as prepare_reference
-from blink_jax.model import rope_tables
-from blink_jax.pallas_attention import paged_decode_attention, query_rows
-from blink_jax.pallas_norm import add_rms_norm, chunk_size, prepare_qkv
+from blink_jax.kernels import pallas_norm
+from blink_jax.model.gemma import add_rms_norm as reference
+from blink_jax.model.gemma import prepare_qkv as prepare_reference
+from blink_jax.model.gemma import rope_tables
+from blink_jax.kernels.pallas_attention import paged_decode_attention, query_rows
+from blink_jax.kernels.pallas_norm import add_rms_norm, chunk_size, prepare_qkv
 from tests.cuda_lowering import TRITON, lower_for_cuda, require_gpu
 
 
@@ -58,11 +58,8 @@ def test_keeps_leading_axes():
 def test_chunks_and_fallback():
   assert chunk_size(1152) == 128 and chunk_size(640) == 128 and chunk_size(2560) == 512
   assert chunk_size(4096) == 1024
-  assert pallas_norm.select("pallas", 1152).func is add_rms_norm
-  assert pallas_norm.select("pallas", 1000) is reference  # 1000 = 8 x 125: chunks too small
-  assert pallas_norm.select("reference", 1152) is reference
-  with pytest.raises(ValueError, match="resolved"):
-    pallas_norm.select("auto", 1152)
+  assert pallas_norm.usable(1152) and pallas_norm.usable(640)
+  assert not pallas_norm.usable(1000)  # 1000 = 8 x 125: chunks too small
 
 
 def test_rejects_mismatched_shapes():
@@ -133,40 +130,6 @@ def test_prepare_bf16_rounds_like_the_reference():
   _check_prepare(case, atol=2e-2, query_rows=16)
 
 
-def _as_partials(case, splits, rng):
-  """The case with its projection as float32 partial sums [splits, T, W] that add up to it
-  (as `cuda_gemv.partials` hands them)."""
-  (qkv, *rest), cache, heads = case
-  noise = rng.standard_normal((splits - 1, *qkv.shape)).astype(np.float32)
-  parts = np.concatenate([np.asarray(qkv, np.float32)[None] - noise.sum(axis=0), noise])
-  return (jnp.asarray(parts), *rest), cache, heads
-
-
-@settings(max_examples=10, deadline=None)
-@given(seed=st.integers(0, 2**16), tokens=st.integers(1, 4), splits=st.sampled_from([1, 3, 16]),
-       grouped=st.booleans())
-def test_prepare_adds_up_partial_sums(seed, tokens, splits, grouped):
-  # The kernel and the reference both take the projection as partial sums, rounded to the
-  # cache's dtype once added up; the result equals the plain projection's.
-  rng = np.random.default_rng(seed)
-  case = _prepare_case(rng, tokens, 4, 1, 16, jnp.float32)
-  parts = _as_partials(case, splits, rng)
-  _check_prepare(parts, atol=1e-4, query_rows=query_rows(4) if grouped else None)
-  (qkv, *rest), cache, heads = case
-  want, _ = prepare_reference(qkv, *rest, 1e-6, *cache, **heads)
-  got, _ = prepare_qkv(*parts[0], 1e-6, *parts[1], **heads)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
-
-
-def test_prepare_rounds_partial_sums_to_the_cache_dtype():
-  rng = np.random.default_rng(8)
-  case = _prepare_case(rng, 2, 4, 1, 256, jnp.bfloat16)
-  parts = _as_partials(case, 16, rng)
-  q, pages = prepare_qkv(*parts[0], 1e-6, *parts[1], query_rows=16, **parts[2])
-  assert q.dtype == pages.dtype == jnp.bfloat16
-  _check_prepare(parts, atol=2e-2, query_rows=16)
-
-
 def test_grouped_query_feeds_the_pallas_attention():
   # The grouped, padded query gives the attention the same result as the plain one.
   rng = np.random.default_rng(6)
@@ -214,4 +177,3 @@ def test_compiled_kernel_matches_the_reference_on_the_gpu():
       case = _prepare_case(rng, tokens, 4, 1, 256, dtype)
       _check_prepare(case, atol=atol, query_rows=16, interpret=False)
       _check_prepare(case, atol=atol, interpret=False)
-      _check_prepare(_as_partials(case, 16, rng), atol=atol, query_rows=16, interpret=False)

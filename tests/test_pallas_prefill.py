@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from blink_jax.attention import kv_rows, paged_attention_reference, write_kv
-from blink_jax.pallas_prefill import _segments, block_tokens, paged_prefill_attention
+from blink_jax.model.attention import kv_rows, paged_attention_reference, write_kv
+from blink_jax.kernels.pallas_prefill import _segments, block_tokens, paged_prefill_attention
 from tests.cuda_lowering import check_triton_calls, lower_for_cuda, require_gpu
 
 

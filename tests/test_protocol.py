@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from blink_jax import batch as B
-from blink_jax import ffi as F
-from blink_jax import protocol as P
+from blink_jax.native import batch as B
+from blink_jax.native import ffi as F
+from blink_jax.client import protocol as P
 
 
 def test_fixed_struct_offsets_match_the_header():
@@ -62,6 +62,6 @@ def test_sched_config_fields_match():
 
 
 def test_protocol_modules_import_without_jax():
-  code = ("import sys, blink_jax.protocol, blink_jax.mailbox, blink_jax.batch, "
-          "blink_jax.tokenizer; assert 'jax' not in sys.modules, 'jax was imported'")
+  code = ("import sys, blink_jax.client.protocol, blink_jax.client.mailbox, blink_jax.native.batch, "
+          "blink_jax.client.tokenizer; assert 'jax' not in sys.modules, 'jax was imported'")
   subprocess.run([sys.executable, "-c", code], check=True)

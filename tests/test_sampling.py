@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from blink_jax.sampling import _filtered, top_n, sample
+from blink_jax.model.sampling import _filtered, top_n, sample
 
 
 def _reference_keep(x, k, p):

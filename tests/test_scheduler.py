@@ -7,8 +7,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from blink_jax import protocol as P
-from blink_jax.ffi import HostScheduler, SchedConfig
+from blink_jax.client import protocol as P
+from blink_jax.native.ffi import SchedConfig
+from tests.host_scheduler import HostScheduler
 from tests import sched_harness as H
 
 GEO = P.Geometry(num_slots=8, max_prompt=40, ring_capacity=4, max_top_logprobs=3)
@@ -54,7 +55,7 @@ def test_each_token_is_stamped_with_the_device_clock():
 def test_named_counters_read_from_the_state():
   """ffi.counters names the state's counters from the library's enum: loop iterations and
   steps count on the host too; the kernel and phase timers are device-only (zero here)."""
-  from blink_jax import ffi as F
+  from blink_jax.native import ffi as F
   region, cfg = _setup()
   seen = []
   H.run([H.Job(0, [5, 6, 7], max_tokens=4, ignore_eos=True)], cfg, region,

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from blink_jax import protocol as P
+from blink_jax.client import protocol as P
 from tests import sched_harness as H
 from tests.xla_scheduler import XlaScheduler
 

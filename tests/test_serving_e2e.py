@@ -21,11 +21,11 @@ import pytest
 from flax import nnx
 
 from blink_jax import Engine
-from blink_jax import checkpoint as ckpt
-from blink_jax.config import tiny_config
-from blink_jax.model import Gemma
-from nic_frontend.transports import shm
-from blink_jax.tokenizer import Tokenizer
+from blink_jax.weights import checkpoint as ckpt
+from blink_jax.model.config import tiny_config
+from blink_jax.model.gemma import Gemma
+from blink_jax.client import shm
+from blink_jax.client.tokenizer import Tokenizer
 from tests import fake_device as FD
 from tests.fake_device import tiny_tokenizer
 
@@ -37,7 +37,7 @@ def _serve(model, tok, tok_path: Path, tmp: Path, name: str, **kw):
   eng_kw = dict(max_seqs=4, page_size=8, max_context=128, num_slots=8, ring_capacity=16,
                 buckets=(8, 32), max_top_logprobs=2, idle_poll_us=100)
   eng_kw.update(kw)
-  from blink_jax import protocol as P
+  from blink_jax.client import protocol as P
   geo = P.Geometry(eng_kw["num_slots"], eng_kw["max_context"] - 1, eng_kw["ring_capacity"],
                    eng_kw["max_top_logprobs"])
   region = shm.create_region(None, geo.total_bytes)

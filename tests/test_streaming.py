@@ -5,15 +5,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blink_jax import protocol as P
-from blink_jax.tokenizer import Tokenizer
-from nic_frontend.streaming import ChoiceDecoder, DeviceError, StopMatcher, token_info
+from blink_jax.client import protocol as P
+from blink_jax.client.tokenizer import Tokenizer
+from blink_jax.client.streaming import ChoiceDecoder, DeviceError, StopMatcher, token_info
 from tests import fake_device as FD
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> Tokenizer:
-  return Tokenizer(str(FD.tiny_tokenizer(tmp_path_factory.mktemp("tok"))))
+def tok(tokenizer_path) -> Tokenizer:
+  return Tokenizer(str(tokenizer_path))
 
 
 # ---- StopMatcher ----------------------------------------------------------------------------

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from blink_jax import tokenizer as tk
-from blink_jax.tokenizer import Tokenizer, build_sentencepiece_model
+from blink_jax.client import tokenizer as tk
+from blink_jax.client.tokenizer import Tokenizer, build_sentencepiece_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -241,7 +241,7 @@ def test_built_model_parses_as_model_proto():
 
 
 def test_tokenizer_does_not_import_jax():
-  code = ("import sys, blink_jax.tokenizer; "
+  code = ("import sys, blink_jax.client.tokenizer; "
           "bad = [m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')]; "
           "assert not bad, bad")
   run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from blink_jax import mailbox as M
-from blink_jax import protocol as P
-from nic_frontend.transports import open_transport, rdma, shm, tcp
+from blink_jax.client import mailbox as M
+from blink_jax.client import protocol as P
+from blink_jax.client import shm
+from nic_frontend.transports import open_transport, rdma, tcp
 from tests import fake_device as FD
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,7 +54,7 @@ def test_shm_create_open_and_permissions(region):
 def test_shm_opener_exit_does_not_unlink(region):
   """A frontend process that opens the segment and exits leaves it alone (no resource tracker
   cleanup); its stores are visible to the engine."""
-  code = ("import sys; from nic_frontend.transports import shm; "
+  code = ("import sys; from blink_jax.client import shm; "
           "r = shm.open_region(sys.argv[1]); r.write(8, b'from-child'); r.close()")
   run = subprocess.run([sys.executable, "-c", code, region.name], cwd=REPO,
                        capture_output=True, text=True, timeout=60)
@@ -167,15 +168,16 @@ def test_tcp_concurrent_users(relay, mailbox_region):
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_mailbox_client_over_transport(tmp_path, transport):
+def test_mailbox_client_over_transport(tokenizer_path, transport):
   """The mailbox protocol through each transport against the real scheduler (no HTTP)."""
-  from blink_jax.tokenizer import Tokenizer
-  tok = Tokenizer(str(FD.tiny_tokenizer(tmp_path / "tok")))
-  dc = FD.DeviceConfig(num_slots=8, max_prompt=32, ring_capacity=8, vocab_size=tok.vocab_size,
-                       max_context=64, max_seqs=4, num_pages=32, buckets=(8, 32))
-  story = tok.encode(FD.STORY)
-  engine_side = shm.create_region(None, dc.geometry.total_bytes)
-  device = FD.FakeDevice(engine_side, dc, story=story).start()
+  dc = FD.DeviceConfig(num_slots=8, max_prompt=32, ring_capacity=8, max_context=64,
+                       max_seqs=4, num_pages=32, buckets=(8, 32))
+  with FD.running_device(tokenizer_path, dc, eos=False) as fake:
+    _mailbox_client_over(transport, fake)
+
+
+def _mailbox_client_over(transport, fake):
+  engine_side, device = fake.region, fake.device
   relay = None
   try:
     if transport == "shm":
@@ -207,11 +209,8 @@ def test_mailbox_client_over_transport(tmp_path, transport):
     assert int(M.read_header(front)["pages_in_use"]) == 0
     front.close()
   finally:
-    device.stop()
     if relay is not None:
       relay.stop()
-    engine_side.close()
-    engine_side.unlink()
 
 
 def test_mailbox_client_reclaims_slots_left_by_a_dead_worker(tmp_path):

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from blink_jax import xla_flags
+from blink_jax.executor import xla_flags
 
 
 def _configure(monkeypatch, xla_flags_env="", vmodule=None):
@@ -22,7 +22,7 @@ def test_gpu_configuration_sets_command_buffer_flags_and_log_modules(monkeypatch
   assert _configure(monkeypatch, "--xla_foo=1")
   flags = os.environ["XLA_FLAGS"].split()
   assert flags[0] == "--xla_foo=1"
-  assert set(xla_flags.COMMAND_BUFFER_FLAGS) <= set(flags)
+  assert set(xla_flags.command_buffer_flags()) <= set(flags)
   assert "--xla_disable_hlo_passes=dot-strength-reduction" in flags
   assert "WHILE" in xla_flags.COMMAND_TYPES and "CONDITIONAL" in xla_flags.COMMAND_TYPES
   assert os.environ["TF_CPP_VMODULE"].split(",") == list(xla_flags.VMODULES)
@@ -48,7 +48,7 @@ def test_a_running_backend_without_the_decode_flag_still_has_command_buffers(mon
   monkeypatch.setattr(xla_flags, "cuda_plugin_installed", lambda: True)
   monkeypatch.setattr(xla_flags, "backend_started", lambda: True)
   monkeypatch.delenv("BLINK_NO_COMMAND_BUFFERS", raising=False)
-  monkeypatch.setenv("XLA_FLAGS", " ".join(xla_flags.COMMAND_BUFFER_FLAGS))
+  monkeypatch.setenv("XLA_FLAGS", " ".join(xla_flags.command_buffer_flags()))
   assert xla_flags.configure_command_buffers()
 
 
@@ -74,7 +74,7 @@ CONVERSION_LINE = ("I1201 command_buffer_conversion_pass.cc:1] Creating command 
     ("", "", False)])
 def test_loop_report_reads_the_conversion_log_only_when_xla_writes_it(
     monkeypatch, min_level, log, want):
-  from blink_jax.executor import command_buffer_report
+  from blink_jax.executor.loop_report import command_buffer_report
   monkeypatch.setenv("TF_CPP_VMODULE", "command_buffer_conversion_pass=2")
   monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", min_level)
   report = command_buffer_report(_Compiled(), log, _Gpu(), "persistent")

@@ -1,14 +1,13 @@
 """Drives blink_schedule / blink_commit through XLA (jax.ffi) on a given device, with the same
-interface as blink_jax.ffi.HostScheduler, so the scheduler harness can run on any backend."""
+interface as tests.host_scheduler.HostScheduler, so the scheduler harness can run on any backend."""
 from __future__ import annotations
-
-import ctypes
 
 import jax
 import numpy as np
 
-from blink_jax import executor as X
-from blink_jax import ffi as F
+from blink_jax.executor import loop as X
+from blink_jax.native import ffi as F
+from blink_jax.native import host_memory
 
 
 class XlaScheduler:
@@ -20,13 +19,8 @@ class XlaScheduler:
     self.device = device
     self.registered = None
     if device.platform == "gpu":  # the GPU reads the mailbox through a mapped pointer
-      cuda = F.cuda_library()
-      dev = ctypes.c_uint64()
-      nbytes = region.buf.nbytes
-      rc = cuda.blink_cuda_register_host(region.address, nbytes, ctypes.byref(dev))
-      assert rc == 0, cuda.blink_cuda_error_string(rc)
-      self.registered = region.address
-      cfg = cfg.replace(mailbox=dev.value)
+      self.registered = host_memory.Registration(region.address, region.buf.nbytes)
+      cfg = cfg.replace(mailbox=self.registered.device_address)
     self.cfg = cfg
     put = lambda a: jax.device_put(a, device)
     self.state = put(F.initial_state(cfg))
@@ -85,5 +79,5 @@ class XlaScheduler:
     self._flush()
     if self.registered is not None:
       jax.block_until_ready(self.state)
-      F.cuda_library().blink_cuda_unregister_host(self.registered)
+      self.registered.release()
       self.registered = None

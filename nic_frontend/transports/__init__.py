@@ -1,6 +1,6 @@
 """Transports of the mailbox: one flat byte region, read and written at offsets.
 
-Every transport implements `blink_jax.mailbox.Region` (`read(offset, nbytes) -> bytes`,
+Every transport implements `blink_jax.client.mailbox.Region` (`read(offset, nbytes) -> bytes`,
 `write(offset, data)`), so the mailbox protocol above it is the same whether the frontend shares
 memory with the engine (shm), reaches it through a relay on the engine host (tcp), or writes
 into it with one-sided RDMA (rdma).
@@ -20,7 +20,7 @@ def open_transport(kind: str, *, shm_name: str | None = None, address: str | Non
   "host:port" of the engine host's relay and its shared `token`.
   """
   if kind == "shm":
-    from nic_frontend.transports import shm
+    from blink_jax.client import shm
     if not shm_name:
       raise ValueError("the shm transport needs the shared memory name")
     return shm.open_region(shm_name)

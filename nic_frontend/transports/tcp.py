@@ -34,7 +34,7 @@ from typing import Callable
 
 import numpy as np
 
-from blink_jax import protocol as P
+from blink_jax.client import protocol
 
 log = logging.getLogger(__name__)
 
@@ -69,19 +69,19 @@ def mailbox_write_filter(buf: np.ndarray) -> Callable[[int, int], bool]:
   The header geometry, the engine's control words and every output ring belong to the engine
   and the GPU (one writer per field); the relay refuses to store there.
   """
-  from blink_jax import mailbox as M
-  h = np.frombuffer(bytes(buf[:P.HEADER_BYTES]), P.HEADER_DTYPE)[0]
-  geo = M.geometry_of(h)
-  db0 = P.HEADER_DTYPE.fields["doorbell"][1]
-  db1 = db0 + 8 * P.MAX_WORKERS
+  from blink_jax.client import mailbox
+  h = np.frombuffer(bytes(buf[:protocol.HEADER_BYTES]), protocol.HEADER_DTYPE)[0]
+  geo = mailbox.geometry_of(h)
+  db0 = protocol.HEADER_DTYPE.fields["doorbell"][1]
+  db1 = db0 + 8 * protocol.MAX_WORKERS
 
   def allowed(offset: int, n: int) -> bool:
     end = offset + n
     if db0 <= offset and end <= db1:
       return True
-    if offset < P.HEADER_BYTES or end > geo.total_bytes:
+    if offset < protocol.HEADER_BYTES or end > geo.total_bytes:
       return False
-    slot = (offset - P.HEADER_BYTES) // geo.slot_bytes
+    slot = (offset - protocol.HEADER_BYTES) // geo.slot_bytes
     start = geo.request_offset(slot)
     return end <= start + geo.request_bytes
   return allowed
@@ -166,8 +166,8 @@ class TcpRelayServer:
 
   def _allowed(self, offset: int, n: int) -> bool:
     if self._writable is None:
-      magic = int(self.buf[:8].view("<u8")[0]) if self.size >= P.HEADER_BYTES else 0
-      if magic != P.MAGIC:
+      magic = int(self.buf[:8].view("<u8")[0]) if self.size >= protocol.HEADER_BYTES else 0
+      if magic != protocol.MAGIC:
         return False  # no geometry yet: nothing is a frontend field
       self._writable = mailbox_write_filter(self.buf)
     return self._writable(offset, n)

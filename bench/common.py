@@ -1,0 +1,213 @@
+"""Shared pieces of the benchmarks: result files, statistics, tables, mailboxes, and the
+kernel flags (one per KernelOptions field) of the benchmarks that build an engine or executor."""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import mmap
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+import sys
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def host_buffer(nbytes: int) -> np.ndarray:
+  size = (nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+  return np.frombuffer(mmap.mmap(-1, size), np.uint8)
+
+
+def device_mailbox(region, nbytes: int):
+  """(address the device uses, release function): host-mapped on a GPU, plain on CPU."""
+  import jax
+
+  from blink_jax.native import ffi as F
+  if jax.devices()[0].platform != "gpu":
+    return region.address, lambda: None
+  cuda = F.cuda_library()
+  dev = ctypes.c_uint64()
+  rc = cuda.blink_cuda_register_host(region.address, nbytes, ctypes.byref(dev))
+  if rc:
+    raise RuntimeError(cuda.blink_cuda_error_string(rc).decode())
+  return dev.value, lambda: cuda.blink_cuda_unregister_host(region.address)
+
+
+THRASH_C = ROOT / "bench" / "thrash.c"
+
+
+def _thrash_binary() -> str | None:
+  cc = shutil.which("gcc") or shutil.which("cc")
+  if cc is None:
+    return None
+  out = os.path.join(tempfile.gettempdir(), "blink_thrash")
+  subprocess.run([cc, "-O2", "-o", out, str(THRASH_C)], check=True)
+  return out
+
+
+def start_interference(n: int, cpus: set[int], seconds: int) -> list[subprocess.Popen]:
+  """n memory-thrashing processes on `cpus` (random read-modify-write over 256 MB each)."""
+  exe = _thrash_binary()
+  cmd = [exe, str(seconds)] if exe else [
+      "python3", "-c", "import numpy as np,time\nb=np.zeros(1<<25,np.int64);r=np.random.default_rng()"
+      f"\nt=time.time()+{seconds}\nwhile time.time()<t:\n i=r.integers(0,b.size,1<<16);b[i]+=1"]
+  procs = []
+  for _ in range(n):
+    p = subprocess.Popen(cmd)
+    os.sched_setaffinity(p.pid, cpus)
+    procs.append(p)
+  return procs
+
+
+
+def stats(values, name: str) -> dict:
+  v = np.asarray(values, float)
+  return {f"{name}_median": float(np.median(v)), f"{name}_min": float(v.min()),
+          f"{name}_max": float(v.max()), f"{name}_all": [float(x) for x in v]}
+
+
+def percentile_stats(values, name: str) -> dict:
+  v = np.asarray(values, float)
+  if v.size == 0:
+    return {}
+  return {f"{name}_p50": float(np.percentile(v, 50)), f"{name}_p90": float(np.percentile(v, 90)),
+          f"{name}_p99": float(np.percentile(v, 99)), f"{name}_mean": float(v.mean()),
+          f"{name}_n": int(v.size)}
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+  def fmt(x):
+    if isinstance(x, float):
+      return f"{x:.3f}"
+    if isinstance(x, list):
+      return "[" + ", ".join(fmt(y) for y in x[:4]) + "]"
+    return str(x)
+  cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+  widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
+  lines = [" | ".join(c.ljust(w) for c, w in zip(cols, widths)),
+           "-+-".join("-" * w for w in widths)]
+  lines += [" | ".join(x.ljust(w) for x, w in zip(r, widths)) for r in cells]
+  return "\n".join(lines)
+
+
+def describe_device() -> str:
+  try:
+    import jax
+  except ImportError:  # a load-generator host (e.g. benchmarking another server) needs no JAX
+    return f"no jax on this host ({platform.node()})"
+  d = jax.devices()[0]
+  return f"{d.platform}:{getattr(d, 'device_kind', '')} ({len(jax.devices())} devices)"
+
+
+def git_revision() -> str:
+  """BLINK_GIT_REVISION when set (the device copy of the tree may carry a stale .git), else
+  the checkout's HEAD."""
+  if os.environ.get("BLINK_GIT_REVISION"):
+    return os.environ["BLINK_GIT_REVISION"]
+  try:
+    rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    return rev + ("-dirty" if dirty else "")
+  except Exception:
+    return "unknown"
+
+
+def _jax_version() -> str | None:
+  try:
+    import jax
+    return jax.__version__
+  except ImportError:
+    return None
+
+
+# The environment overrides blink_jax.env declares that change what a benchmark measures
+# (XLA's command buffers); recorded in every result. (Kernels are chosen by flags, recorded
+# as "kernels"; the secrets BLINK_API_KEY / BLINK_RELAY_TOKEN are never written.)
+XLA_OVERRIDES = ("BLINK_NO_COMMAND_BUFFERS", "BLINK_COMMAND_BUFFER_TYPES",
+                 "BLINK_HOST_COMMAND_BUFFER_TYPES", "BLINK_HOST_MIN_GRAPH_SIZE")
+
+
+def command_line() -> str:
+  """How this benchmark was started, from the repository root: `python -m bench.executor
+  ...` for a module, the script's path otherwise."""
+  spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+  head = (f"python -m {spec.name}" if spec is not None and spec.name
+          else os.path.relpath(sys.argv[0], ROOT))
+  return " ".join([head] + sys.argv[1:])
+
+
+# ---- kernel flags (benchmarks that build an engine or an executor) ----
+
+KERNEL_FLAGS = ("attention", "prefill", "norm", "gemv", "decode_rows")
+
+
+def define_kernel_flags(flag_values=None, fused_step: bool = True) -> None:
+  """One absl flag per KernelOptions field (--attention --prefill --norm --gemv
+  --decode_rows), the same names and help as scripts/serve.py's, defaulting to the
+  dataclass's defaults; and --fused_step (EngineConfig.fused_step)."""
+  import dataclasses
+
+  from absl import flags
+
+  from blink_jax.engine import KernelOptions
+  fv = flag_values or flags.FLAGS
+  for f in dataclasses.fields(KernelOptions):
+    help_text = f.metadata.get("help", f.name)
+    if f.metadata.get("choices"):
+      flags.DEFINE_enum(f.name, f.default, f.metadata["choices"], help_text, flag_values=fv)
+    elif isinstance(f.default, int):
+      flags.DEFINE_integer(f.name, f.default, help_text, flag_values=fv)
+    else:
+      flags.DEFINE_string(f.name, f.default, help_text, flag_values=fv)
+  if fused_step:
+    flags.DEFINE_bool("fused_step", False, "one scheduler kernel per step (blink_step: the "
+                      "commit of a step and the schedule of the next) instead of two",
+                      flag_values=fv)
+
+
+def kernel_options(flag_values=None):
+  """The KernelOptions the kernel flags ask for."""
+  from absl import flags
+
+  from blink_jax.engine import KernelOptions
+  fv = flag_values or flags.FLAGS
+  return KernelOptions(**{name: fv[name].value for name in KERNEL_FLAGS})
+
+
+def kernels_record(options, platform: str | None = None) -> dict:
+  """A result's "kernels": the KernelOptions asked for and, given the platform, what their
+  "auto" resolved to there."""
+  import dataclasses
+  out = {"asked": dataclasses.asdict(options)}
+  if platform is not None:
+    out["resolved"] = dataclasses.asdict(options.resolved(platform))
+  return out
+
+
+def write_result(path: str, name: str, rows, extra: dict | None = None) -> pathlib.Path:
+  """Writes a result file (relative paths: under the repository root, e.g.
+  bench/results/...): the device, date, command, git revision, versions, XLA flags and
+  overrides, then `rows` under "results" and `extra` (a benchmark that builds an engine puts
+  its KernelOptions there, as "kernels")."""
+  out = pathlib.Path(path)
+  if not out.is_absolute():
+    out = ROOT / out
+  out.parent.mkdir(parents=True, exist_ok=True)
+  doc = {"benchmark": name, "device": describe_device(),
+         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+         "command": command_line(),
+         "git_revision": git_revision(), "jax": _jax_version(), "python": platform.python_version(),
+         "host_cpus": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+         "xla_overrides": {k: os.environ[k] for k in XLA_OVERRIDES if k in os.environ},
+         "results": rows, **(extra or {})}
+  out.write_text(json.dumps(doc, indent=2))
+  print(f"wrote {out}")
+  return out

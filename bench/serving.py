@@ -1,0 +1,611 @@
+"""Serving load generator for any OpenAI-compatible server (ours, vLLM, SGLang).
+
+Sends streaming /v1/completions requests (`ignore_eos: true`, fixed `max_tokens` per request)
+with Poisson arrivals at each request rate of a sweep, one asyncio task per request, bounded by
+--max-concurrency, and reports TTFT, TPOT, inter-token latency and end-to-end latency (mean,
+p50, p90, p99), request / output-token throughput, goodput under --slo-ttft-ms/--slo-tpot-ms,
+and energy per output token from NVML power samples (GPUs of this host; null with a reason
+when there is no NVML). Prompts: ShareGPT v3 (--sharegpt) or a synthetic set with ShareGPT v3's
+length distribution. Results: JSON (bench/common.write_result) + a PNG of latency
+percentiles vs request rate.
+
+  python scripts/serve.py --ckpt gemma &            # or vLLM / SGLang; taskset as you like
+  python -m bench.serving --rates 1,2,4,inf --num-prompts 200 --label persistent \\
+      --interference 32 --frontend-cpus 0,1 --slo-ttft-ms 500 --slo-tpot-ms 50
+  python -m bench.serving --compare bench/results/serving_persistent.json \\
+      bench/results/serving_host.json --plot-out bench/results/serving_compare.png
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import sys
+import threading
+import time
+
+import numpy as np
+from absl import app, flags
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+from bench import common as C  # noqa: E402
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Defined when run as a script only: tests import this module beside other absl scripts."""
+  flags.DEFINE_string("base_url", "http://127.0.0.1:8000/v1", "the server's OpenAI base URL")
+  flags.DEFINE_string("model", None, "model name (default: the first of GET /models)")
+  flags.DEFINE_string("api_key", None, "bearer token (default: $OPENAI_API_KEY, $BLINK_API_KEY)")
+  flags.DEFINE_integer("num_prompts", 200, "requests per request rate")
+  flags.DEFINE_list("rates", ["inf"], "request rates (requests/s; 'inf' sends all at once)")
+  flags.DEFINE_integer("seed", 0, "seed of the prompt set and the arrival times")
+  flags.DEFINE_integer("max_tokens", None, "fixed output length for every request "
+                       "(default: each request's length from the dataset)")
+  flags.DEFINE_integer("input_len", None, "fixed input length (overrides the dataset's)")
+  flags.DEFINE_integer("output_len", None, "fixed output length (same as --max-tokens)")
+  flags.DEFINE_string("sharegpt", None, "ShareGPT v3 JSON file (default: synthetic lengths)")
+  flags.DEFINE_enum("prompt_format", "ids", ["ids", "text"], "send prompts as token ids or text")
+  flags.DEFINE_string("tokenizer", None, "SentencePiece model used to tokenize ShareGPT text "
+                      "(default: 4 characters per token, random ids in ids mode)")
+  flags.DEFINE_integer("vocab_size", 32000, "synthetic token ids are drawn below this")
+  flags.DEFINE_integer("max_context", None, "context to clip lengths to "
+                       "(default: max_model_len from GET /models, else 4096)")
+  flags.DEFINE_integer("max_input_len", None, "also clip prompts to this many tokens")
+  flags.DEFINE_integer("max_concurrency", None, "at most this many requests in flight")
+  flags.DEFINE_float("slo_ttft_ms", None, "goodput SLO on TTFT")
+  flags.DEFINE_float("slo_tpot_ms", None, "goodput SLO on TPOT")
+  flags.DEFINE_integer("interference", 0, "N memory-thrashing processes for the whole run")
+  flags.DEFINE_list("frontend_cpus", [], "cores of the frontend (SmartNIC role); the "
+                    "interference avoids them (empty: interference on all cores, unpinned)")
+  flags.DEFINE_string("label", "default", "name of this configuration in results and plots")
+  flags.DEFINE_string("out", None, "JSON result (default: bench/results/serving_<label>.json)")
+  flags.DEFINE_bool("plot", True, "write a PNG next to the JSON")
+  flags.DEFINE_string("plot_out", None, "PNG path (default: the JSON's with .png)")
+  flags.DEFINE_list("compare", [], "plot these result files together (no run; with --slo_*, "
+                    "goodput is recomputed from their saved requests)")
+  flags.DEFINE_list("plot_percentiles", ["p50", "p90", "p99"], "latency percentiles drawn "
+                    "in the plots (one, e.g. p99, keeps a many-configuration plot legible)")
+  flags.DEFINE_float("request_timeout_s", 1800.0, "per-request timeout")
+  flags.DEFINE_float("power_interval_ms", 50.0, "NVML power sampling interval")
+
+# ShareGPT v3 (vicuna, unfiltered) token lengths, first human / first gpt turn: lognormal fits.
+SHAREGPT_INPUT_MEAN, SHAREGPT_INPUT_SIGMA = 1019.0, 1.0
+SHAREGPT_OUTPUT_MEAN, SHAREGPT_OUTPUT_SIGMA = 463.0, 1.0
+MIN_LEN = 4
+_WORDS = ("the of and to in is was for on that with as by at from it an be this are or his "
+          "time year people way day man thing woman life child world school state family "
+          "student group country problem hand part place case week company system program "
+          "question work government number night point home water room mother area money").split()
+
+
+# ---- workload ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Req:
+  prompt: list[int] | str
+  input_len: int
+  max_tokens: int
+
+
+def clip_lengths(inp: np.ndarray, out: np.ndarray, max_context: int,
+                 max_input: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """Input in [MIN_LEN, min(max_input, max_context - MIN_LEN)], output in
+  [MIN_LEN, max_context - input] (what a server with that context accepts)."""
+  cap = max_context - MIN_LEN
+  if max_input is not None:
+    cap = min(cap, max_input)
+  inp = np.clip(np.asarray(inp, np.int64), MIN_LEN, cap)
+  out = np.clip(np.asarray(out, np.int64), MIN_LEN, None)
+  return inp, np.minimum(out, max_context - inp)
+
+
+def synthetic_lengths(n: int, rng: np.random.Generator, max_context: int = 1 << 30,
+                      max_input: int | None = None, input_len: int | None = None,
+                      output_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """(input, output) token lengths: lognormal with ShareGPT v3's means unless fixed, clipped."""
+  def draw(mean, sigma):
+    return np.rint(rng.lognormal(math.log(mean) - sigma * sigma / 2, sigma, n)).astype(np.int64)
+  inp = np.full(n, input_len) if input_len else draw(SHAREGPT_INPUT_MEAN, SHAREGPT_INPUT_SIGMA)
+  out = np.full(n, output_len) if output_len else draw(SHAREGPT_OUTPUT_MEAN, SHAREGPT_OUTPUT_SIGMA)
+  return clip_lengths(inp, out, max_context, max_input)
+
+
+def random_prompt(n: int, rng: np.random.Generator, fmt: str, vocab_size: int):
+  if fmt == "ids":
+    lo = min(100, vocab_size // 4)
+    return [int(t) for t in rng.integers(lo, vocab_size, n)]
+  return " ".join(_WORDS[i] for i in rng.integers(0, len(_WORDS), n))  # ~1 token per word
+
+
+def synthetic_requests(n: int, seed: int, *, fmt: str = "ids", vocab_size: int = 32000,
+                       max_context: int = 4096, max_input: int | None = None,
+                       input_len: int | None = None, output_len: int | None = None) -> list[Req]:
+  rng = np.random.default_rng(seed)
+  inp, out = synthetic_lengths(n, rng, max_context, max_input, input_len, output_len)
+  return [Req(random_prompt(int(i), rng, fmt, vocab_size), int(i), int(o))
+          for i, o in zip(inp, out)]
+
+
+def sharegpt_requests(path: str, n: int, seed: int, *, fmt: str = "ids", tokenizer=None,
+                      vocab_size: int = 32000, max_context: int = 4096,
+                      max_input: int | None = None, input_len: int | None = None,
+                      output_len: int | None = None) -> list[Req]:
+  """First human turn as prompt, first gpt turn's length as output length."""
+  data = json.loads(pathlib.Path(path).read_text())
+  pairs = []
+  for conv in data:
+    turns = conv.get("conversations") or []
+    human = next((i for i, t in enumerate(turns) if t.get("from") == "human"), None)
+    if human is None:
+      continue
+    gpt = next((t for t in turns[human + 1:] if t.get("from") == "gpt"), None)
+    if gpt is not None and turns[human].get("value") and gpt.get("value"):
+      pairs.append((turns[human]["value"], gpt["value"]))
+  if not pairs:
+    raise ValueError(f"{path}: no human/gpt turn pairs")
+  rng = np.random.default_rng(seed)
+  count = (lambda s: len(tokenizer.encode(s))) if tokenizer else (lambda s: max(1, len(s) // 4))
+  out = []
+  for idx in rng.permutation(len(pairs)):
+    if len(out) == n:
+      break
+    text, answer = pairs[idx]
+    ni, no = count(text), count(answer)
+    if ni < MIN_LEN or no < MIN_LEN:
+      continue
+    ni, no = input_len or ni, output_len or no
+    (ci,), (co,) = clip_lengths([ni], [no], max_context, max_input)
+    if fmt == "text" and ci < ni:
+      continue  # cannot cut text to a token count without the server's tokenizer
+    if fmt == "ids":
+      prompt = (tokenizer.encode(text)[:ci] if tokenizer and not input_len
+                else random_prompt(int(ci), rng, "ids", vocab_size))
+    else:
+      prompt = text
+    out.append(Req(prompt, int(ci), int(co)))
+  if len(out) < n:  # fewer usable conversations than requests: repeat them
+    out += [out[i % len(out)] for i in range(n - len(out))]
+  return out
+
+
+def arrival_times(n: int, rate: float, rng: np.random.Generator) -> np.ndarray:
+  """Send offsets (s) of a Poisson process at `rate` requests/s (all zero for inf)."""
+  if math.isinf(rate):
+    return np.zeros(n)
+  return np.cumsum(rng.exponential(1.0 / rate, n))
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Record:
+  input_len: int
+  max_tokens: int
+  start: float = 0.0                                    # seconds since the rate's start
+  ok: bool = False
+  error: str | None = None
+  ttft: float | None = None                             # seconds
+  e2e: float | None = None
+  output_tokens: int = 0
+  chunk_times: list[float] = dataclasses.field(default_factory=list)  # since the request's start
+
+  def itl(self) -> list[float]:
+    return list(np.diff(self.chunk_times)) if len(self.chunk_times) > 1 else []
+
+  def tpot(self) -> float | None:
+    if not self.ok or self.output_tokens < 2:
+      return None
+    return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+def goodput(records: list[Record], duration_s: float, slo_ttft_ms: float | None,
+            slo_tpot_ms: float | None) -> dict:
+  """Completed requests per second that meet both SLOs (an unset SLO always holds)."""
+  out = {"slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms}
+  if slo_ttft_ms is None and slo_tpot_ms is None:
+    return {**out, "goodput": None, "good_requests": None}
+
+  def good(r):
+    tp = r.tpot()
+    return (r.ok and (slo_ttft_ms is None or 1e3 * r.ttft <= slo_ttft_ms)
+            and (slo_tpot_ms is None or tp is None or 1e3 * tp <= slo_tpot_ms))
+  n_good = sum(good(r) for r in records)
+  return {**out, "good_requests": n_good,
+          "goodput": n_good / duration_s if duration_s > 0 else 0.0}
+
+
+def records_of(saved: list[dict]) -> list[Record]:
+  """Records back from a result file's per-request entries (no chunk times: no ITL)."""
+  return [Record(input_len=r["input_len"], max_tokens=r["max_tokens"], start=r["start_s"],
+                 ok=r["ok"], error=r["error"], ttft=r["ttft_s"], e2e=r["e2e_s"],
+                 output_tokens=r["output_tokens"]) for r in saved]
+
+
+def regoodput(doc: dict, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> dict:
+  """A result document with goodput recomputed for other SLOs from its saved requests."""
+  rows = [{**row, **goodput(records_of(doc["requests"][str(row["rate"])]), row["duration_s"],
+                            slo_ttft_ms, slo_tpot_ms)} for row in doc["results"]]
+  return {**doc, "results": rows}
+
+
+def compute_metrics(records: list[Record], duration_s: float, slo_ttft_ms: float | None = None,
+                    slo_tpot_ms: float | None = None) -> dict:
+  ok = [r for r in records if r.ok]
+  out_tok = sum(r.output_tokens for r in ok)
+  m = {"num_requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),
+       "duration_s": duration_s, "input_tokens": sum(r.input_len for r in ok),
+       "output_tokens": out_tok,
+       "request_throughput": len(ok) / duration_s if duration_s > 0 else 0.0,
+       "output_throughput": out_tok / duration_s if duration_s > 0 else 0.0}
+  ms = lambda xs: [1e3 * x for x in xs if x is not None]  # noqa: E731
+  m.update(C.percentile_stats(ms(r.ttft for r in ok), "ttft_ms"))
+  m.update(C.percentile_stats(ms(r.tpot() for r in ok), "tpot_ms"))
+  m.update(C.percentile_stats(ms(g for r in ok for g in r.itl()), "itl_ms"))
+  m.update(C.percentile_stats(ms(r.e2e for r in ok), "e2e_ms"))
+  m.update(goodput(ok, duration_s, slo_ttft_ms, slo_tpot_ms))
+  errors = sorted({r.error for r in records if r.error})
+  if errors:
+    m["errors"] = errors[:10]
+  return m
+
+
+# ---- energy ----------------------------------------------------------------------------------
+
+class PowerSampler:
+  """Sums the power of this host's GPUs every `interval_s` (NVML) in a thread; integrates it."""
+
+  def __init__(self, interval_s: float = 0.05):
+    self.interval_s = interval_s
+    self.reason: str | None = None
+    self.handles = []
+    self.samples: list[tuple[float, float]] = []  # (monotonic s, watts over all GPUs)
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+    try:
+      import pynvml
+      pynvml.nvmlInit()
+      self.nvml = pynvml
+      self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i)
+                      for i in range(pynvml.nvmlDeviceGetCount())]
+      if not self.handles:
+        self.reason = "NVML reports no GPU"
+      else:
+        self._read()
+    except ImportError:
+      self.reason = "pynvml (nvidia-ml-py) is not installed"
+    except Exception as e:  # NVML library missing, no driver, not supported, ...
+      self.reason = f"NVML unavailable: {type(e).__name__}: {e}"
+    if self.reason:
+      self.handles = []
+
+  def _read(self) -> float:
+    return sum(self.nvml.nvmlDeviceGetPowerUsage(h) for h in self.handles) / 1e3
+
+  def _run(self):
+    while not self._stop.is_set():
+      try:
+        self.samples.append((time.monotonic(), self._read()))
+      except Exception as e:
+        self.reason = f"NVML read failed: {e}"
+        return
+      self._stop.wait(self.interval_s)
+
+  def __enter__(self):
+    self.samples = []
+    if self.handles:
+      self._stop.clear()
+      self._thread = threading.Thread(target=self._run, daemon=True, name="nvml-power")
+      self._thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    if self._thread is not None:
+      self._stop.set()
+      self._thread.join()
+      self._thread = None
+      try:
+        self.samples.append((time.monotonic(), self._read()))
+      except Exception:
+        pass
+
+  def result(self, output_tokens: int) -> dict:
+    if self.reason or len(self.samples) < 2:
+      return {"energy_j": None, "avg_power_w": None, "energy_per_token_j": None,
+              "energy_note": self.reason or "too few power samples"}
+    t, w = np.array(self.samples).T
+    joules = float(np.sum((w[1:] + w[:-1]) / 2 * np.diff(t)))
+    return {"energy_j": joules, "avg_power_w": joules / float(t[-1] - t[0]),
+            "energy_per_token_j": joules / output_tokens if output_tokens else None,
+            "energy_note": f"NVML power of {len(self.handles)} GPU(s), "
+                           f"{len(self.samples)} samples every {1e3 * self.interval_s:.0f} ms",
+            "gpus": len(self.handles)}
+
+
+# ---- client ----------------------------------------------------------------------------------
+
+async def send_one(session, url: str, headers: dict, model: str, req: Req, rec: Record,
+                   t0: float):
+  body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True,
+          "ignore_eos": True, "temperature": 0.0,
+          "stream_options": {"include_usage": True}}
+  start = time.perf_counter()
+  rec.start = start - t0
+  usage_tokens = None
+  try:
+    async with session.post(url, json=body, headers=headers) as resp:
+      if resp.status != 200:
+        rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+        return
+      async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+          continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+          break
+        now = time.perf_counter() - start
+        chunk = json.loads(data)
+        if "error" in chunk:
+          rec.error = f"stream error: {json.dumps(chunk['error'])[:200]}"
+          return
+        if chunk.get("choices"):
+          rec.chunk_times.append(now)
+        if chunk.get("usage") and chunk["usage"].get("completion_tokens") is not None:
+          usage_tokens = int(chunk["usage"]["completion_tokens"])
+    rec.e2e = time.perf_counter() - start
+    if not rec.chunk_times:
+      rec.error = "no tokens streamed"
+      return
+    rec.ttft = rec.chunk_times[0]
+    rec.output_tokens = usage_tokens if usage_tokens is not None else len(rec.chunk_times)
+    rec.ok = True
+  except Exception as e:
+    rec.error = f"{type(e).__name__}: {e}"[:200]
+
+
+async def run_rate(base_url: str, headers: dict, model: str, reqs: list[Req], rate: float,
+                   seed: int, max_concurrency: int | None, timeout_s: float,
+                   progress: bool = True) -> tuple[list[Record], float]:
+  import aiohttp
+  from tqdm import tqdm
+
+  offsets = arrival_times(len(reqs), rate, np.random.default_rng(seed))
+  sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+  recs = [Record(r.input_len, r.max_tokens) for r in reqs]
+  bar = tqdm(total=len(reqs), desc=f"rate {rate:g}", disable=not progress, unit="req")
+  url = base_url.rstrip("/") + "/completions"
+  conn = aiohttp.TCPConnector(limit=0, force_close=False)
+  async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(
+      total=timeout_s)) as session:
+    t0 = time.perf_counter()
+
+    async def one(i):
+      delay = t0 + offsets[i] - time.perf_counter()
+      if delay > 0:
+        await asyncio.sleep(delay)
+      if sem is None:
+        await send_one(session, url, headers, model, reqs[i], recs[i], t0)
+      else:
+        async with sem:
+          await send_one(session, url, headers, model, reqs[i], recs[i], t0)
+      bar.update(1)
+
+    await asyncio.gather(*(one(i) for i in range(len(reqs))))
+    duration = time.perf_counter() - t0
+  bar.close()
+  return recs, duration
+
+
+async def server_info(base_url: str, headers: dict) -> dict:
+  import aiohttp
+  try:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+      async with s.get(base_url.rstrip("/") + "/models", headers=headers) as r:
+        data = (await r.json())["data"]
+        return data[0] if data else {}
+  except Exception as e:
+    print(f"GET /models failed ({e}); pass --model and --max-context")
+    return {}
+
+
+# ---- plots -----------------------------------------------------------------------------------
+
+def _rate_positions(rates: list[float]) -> tuple[dict, list, list]:
+  finite = sorted({r for r in rates if not math.isinf(r)})
+  inf_x = (finite[-1] * 2 if finite else 1.0)
+  pos = {r: (inf_x if math.isinf(r) else r) for r in set(rates)}
+  ticks = sorted(set(pos.values()))
+  labels = ["inf" if any(math.isinf(r) and pos[r] == x for r in pos) else f"{x:g}" for x in ticks]
+  return pos, ticks, labels
+
+
+def plot_results(docs: list[tuple[str, list[dict]]], path: str | pathlib.Path,
+                 percentiles=("p50", "p90", "p99")) -> pathlib.Path:
+  """Latency percentiles and throughput vs request rate, one color per (label, rows)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  rates = [float(r["rate"]) for _, rows in docs for r in rows]
+  pos, ticks, tick_labels = _rate_positions(rates)
+  panels = [("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("itl_ms", "ITL (ms)"),
+            ("e2e_ms", "end-to-end latency (ms)")]
+  fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+  axes = axes.ravel()
+  colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  for k, (label, rows) in enumerate(docs):
+    rows = sorted(rows, key=lambda r: pos[float(r["rate"])])
+    x = [pos[float(r["rate"])] for r in rows]
+    c = colors[k % len(colors)]
+    for ax, (key, title) in zip(axes, panels):
+      for pct, style in (("p50", "-"), ("p90", ":"), ("p99", "--")):
+        if pct not in percentiles:
+          continue
+        y = [r.get(f"{key}_{pct}", float("nan")) for r in rows]
+        ax.plot(x, y, style, color=c, marker="o", ms=3, label=f"{label} {pct}")
+      ax.set_title(title)
+    axes[4].plot(x, [r["output_throughput"] for r in rows], "-o", color=c, ms=3, label=label)
+    axes[4].set_title("output tokens/s")
+    axes[5].plot(x, [r["request_throughput"] for r in rows], "-o", color=c, ms=3,
+                 label=f"{label} completed")
+    if any(r.get("goodput") is not None for r in rows):
+      axes[5].plot(x, [r.get("goodput") if r.get("goodput") is not None else float("nan")
+                       for r in rows], "--s", color=c, ms=3, label=f"{label} goodput")
+    axes[5].set_title("requests/s")
+  for ax in axes:
+    ax.set_xscale("log" if len(ticks) > 1 and ticks[0] > 0 else "linear")
+    ax.set_xticks(ticks)
+    ax.set_xticklabels(tick_labels)
+    ax.minorticks_off()
+    ax.set_xlabel("request rate (req/s)")
+    ax.grid(alpha=0.3)
+  axes[0].legend(fontsize=7)
+  axes[4].legend(fontsize=7)
+  axes[5].legend(fontsize=7)
+  fig.tight_layout()
+  out = pathlib.Path(path)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(out, dpi=110)
+  plt.close(fig)
+  print(f"wrote {out}")
+  return out
+
+
+def doc_label(doc: dict) -> str:
+  label = doc.get("label") or doc.get("benchmark", "?")
+  n = doc.get("interference") or 0
+  return f"{label} +{n} thrash" if n and "thrash" not in label and "interf" not in label else label
+
+
+# ---- main ------------------------------------------------------------------------------------
+
+TABLE_COLS = ["label", "rate", "completed", "failed", "request_throughput", "output_throughput",
+              "goodput", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
+              "itl_ms_p50", "itl_ms_p99", "e2e_ms_p50", "e2e_ms_p99", "energy_per_token_j"]
+
+
+def parse_rate(s: str) -> float:
+  return float("inf") if s.strip().lower() in ("inf", "infinity") else float(s)
+
+
+def normalize_argv(argv: list[str]) -> list[str]:
+  """--base-url -> --base_url, --no-plot -> --noplot (absl's spelling), up to a bare '--'."""
+  out = list(argv[:1])
+  for i, a in enumerate(argv[1:], 1):
+    if a == "--":
+      return out + argv[i:]
+    if a.startswith("--"):
+      name, eq, val = a[2:].partition("=")
+      if name.startswith("no-"):  # --no-plot -> --noplot
+        name = "no" + name[3:]
+      a = "--" + name.replace("-", "_") + eq + val
+    out.append(a)
+  return out
+
+
+def main(argv):
+  files = [*FLAGS.compare, *argv[1:]]  # --compare a.json b.json: b.json arrives positional
+  if len(argv) > 1 and not FLAGS.compare:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  if files:
+    docs = [json.loads(pathlib.Path(p).read_text()) for p in files]
+    if FLAGS.slo_ttft_ms is not None or FLAGS.slo_tpot_ms is not None:
+      docs = [regoodput(d, FLAGS.slo_ttft_ms, FLAGS.slo_tpot_ms) for d in docs]
+    out = FLAGS.plot_out or str(pathlib.Path(files[0]).with_name("serving_compare.png"))
+    for d in docs:
+      print(C.table([{**r, "label": doc_label(d)} for r in d["results"]], TABLE_COLS))
+    plot_results([(doc_label(d), d["results"]) for d in docs], out, FLAGS.plot_percentiles)
+    return
+
+  key = FLAGS.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("BLINK_API_KEY")
+  headers = {"Authorization": f"Bearer {key}"} if key else {}
+  info = asyncio.run(server_info(FLAGS.base_url, headers))
+  model = FLAGS.model or info.get("id")
+  if not model:
+    raise app.UsageError("--model is required (GET /models gave none)")
+  max_context = FLAGS.max_context or info.get("max_model_len") or 4096
+  output_len = FLAGS.max_tokens or FLAGS.output_len
+  common = dict(fmt=FLAGS.prompt_format, vocab_size=FLAGS.vocab_size, max_context=max_context,
+                max_input=FLAGS.max_input_len, input_len=FLAGS.input_len, output_len=output_len)
+  if FLAGS.sharegpt:
+    tok = None
+    if FLAGS.tokenizer:
+      from blink_jax.client.tokenizer import Tokenizer
+      tok = Tokenizer(FLAGS.tokenizer)
+    reqs = sharegpt_requests(FLAGS.sharegpt, FLAGS.num_prompts, FLAGS.seed, tokenizer=tok,
+                             **common)
+  else:
+    reqs = synthetic_requests(FLAGS.num_prompts, FLAGS.seed, **common)
+  rates = [parse_rate(r) for r in FLAGS.rates]
+
+  frontend_cpus = sorted(int(c) for c in FLAGS.frontend_cpus)
+  all_cpus = set(os.sched_getaffinity(0))
+  interference_cpus = sorted(all_cpus - set(frontend_cpus))
+  if FLAGS.interference and not interference_cpus:
+    raise app.UsageError("--frontend-cpus leaves no core for the interference")
+  print(f"model {model}, context {max_context}, {len(reqs)} prompts "
+        f"(input mean {np.mean([r.input_len for r in reqs]):.0f}, output mean "
+        f"{np.mean([r.max_tokens for r in reqs]):.0f} tokens), rates {FLAGS.rates}, "
+        f"interference {FLAGS.interference} on cpus "
+        f"{'all' if not frontend_cpus else interference_cpus}")
+
+  if frontend_cpus:  # the load generator stands for the network side: it runs with the frontend
+    os.sched_setaffinity(0, set(frontend_cpus))
+  sampler = PowerSampler(FLAGS.power_interval_ms / 1e3)
+  procs = C.start_interference(FLAGS.interference, set(interference_cpus), 24 * 3600) \
+      if FLAGS.interference else []
+  rows, per_request = [], {}
+  try:
+    if procs:
+      time.sleep(1.0)  # let the thrashers fill their buffers
+    for k, rate in enumerate(rates):
+      with sampler:
+        recs, duration = asyncio.run(run_rate(
+            FLAGS.base_url, headers, model, reqs, rate, FLAGS.seed + 1000 * (k + 1),
+            FLAGS.max_concurrency, FLAGS.request_timeout_s))
+      m = compute_metrics(recs, duration, FLAGS.slo_ttft_ms, FLAGS.slo_tpot_ms)
+      m.update(sampler.result(m["output_tokens"]))
+      rows.append({"label": FLAGS.label, "rate": "inf" if math.isinf(rate) else rate,
+                   "max_concurrency": FLAGS.max_concurrency, **m})
+      per_request[str(rows[-1]["rate"])] = [
+          {"input_len": r.input_len, "max_tokens": r.max_tokens, "ok": r.ok, "error": r.error,
+           "start_s": r.start, "ttft_s": r.ttft, "e2e_s": r.e2e,
+           "output_tokens": r.output_tokens, "chunks": len(r.chunk_times)} for r in recs]
+  finally:
+    for p in procs:
+      p.terminate()
+    for p in procs:
+      p.wait()
+
+  extra = {"label": FLAGS.label, "base_url": FLAGS.base_url, "model": model,
+           "max_context": max_context, "dataset": FLAGS.sharegpt or "synthetic-sharegpt-v3",
+           "prompt_format": FLAGS.prompt_format, "seed": FLAGS.seed,
+           "num_prompts": FLAGS.num_prompts, "max_concurrency": FLAGS.max_concurrency,
+           "interference": FLAGS.interference,
+           "frontend_cpus": frontend_cpus or None,
+           "interference_cpus": (interference_cpus if frontend_cpus else "all")
+           if FLAGS.interference else None,
+           "energy_note": sampler.reason, "requests": per_request}
+  out = FLAGS.out or f"bench/results/serving_{FLAGS.label}.json"
+  path = C.write_result(out, "serving", rows, extra)
+  print(C.table(rows, TABLE_COLS))
+  if FLAGS.plot:
+    try:
+      plot_results([(doc_label(extra), rows)], FLAGS.plot_out or path.with_suffix(".png"),
+                   FLAGS.plot_percentiles)
+    except ImportError:
+      print("matplotlib is not installed: no plot (pip install .[bench])")
+
+
+if __name__ == "__main__":
+  sys.argv = normalize_argv(sys.argv)
+  define_flags()
+  app.run(main)

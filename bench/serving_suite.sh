@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The serving benchmark matrix on one GPU machine: for each model shape and server mode,
+# start scripts/serve.py (random weights), run bench/serving.py over a sweep of
+# request rates, quiet and under 2 x nproc thrashing processes with the frontend pinned to its
+# own cores (SmartNIC role), plus one unpinned run; then plot everything together.
+# Usage: TOKENIZER=path/tokenizer.model [SHAPES=...] [MODES="persistent host"; also fused] [RATES=2,4,8,inf]
+#        [NUM_PROMPTS=48] [UNPINNED=gemma3-1b:persistent] [SLO_TTFT_MS=1000] [SLO_TPOT_MS=10]
+#        [SERVE_ARGS="--gemv none ..." (more serve.py flags, e.g. KernelOptions')]
+#        OUT=dir bash bench/serving_suite.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # scripts/serve.py, python -m bench.serving
+: "${TOKENIZER:?set TOKENIZER to a SentencePiece model}"
+SHAPES=${SHAPES:-gemma3-1b gemma3-270m}
+MODES=${MODES:-persistent host}
+RATES=${RATES:-2,4,8,inf}  # light load to saturation (1B: ~7.5 req/s)
+N=${NUM_PROMPTS:-48}
+# Goodput counts the requests that meet both: a chat-like 1 s to the first token and 100
+# tokens/s after it.
+SLO_TTFT_MS=${SLO_TTFT_MS:-1000}
+SLO_TPOT_MS=${SLO_TPOT_MS:-10}
+UNPINNED=${UNPINNED:-gemma3-1b:persistent}
+OUT=${OUT:-/tmp/blink_serving}
+mkdir -p "$OUT"
+NCPU=$(nproc)
+FRONT=0,1                       # the frontend's cores (a SmartNIC's, out of the host's reach)
+ENGINE_CPUS=2-$((NCPU - 1))     # the engine shares these with the interference
+INT=$((2 * NCPU))
+bench() {  # label, port, interference, frontend cpus (empty: unpinned)
+  python3 -m bench.serving --base_url "http://127.0.0.1:$2/v1" --num_prompts "$N" \
+    --rates "$RATES" --max_context 2048 --max_input_len 1024 --interference "$3" \
+    --slo_ttft_ms "$SLO_TTFT_MS" --slo_tpot_ms "$SLO_TPOT_MS" \
+    --frontend_cpus "$4" --label "$1" --out "bench/results/serving_h200_$1.json" 2>&1 \
+    | grep -v "^[IW]1" | tail -6
+  # One archive (the device returns a limited number of files), refreshed after every run.
+  tar czf "$OUT/serving_results.tgz" bench/results/serving_h200_* 2>/dev/null
+}
+for shape in $SHAPES; do
+  for mode in $MODES; do
+    port=$((8100 + RANDOM % 800))
+    echo "== $(date -u +%T) serve $shape $mode on :$port"
+    # Mode "fused": the persistent loop with one scheduler kernel per step.
+    if [[ $mode == fused ]]; then loop=(--mode persistent --fused_step); else loop=(--mode "$mode"); fi
+    taskset -c "$ENGINE_CPUS" python3 scripts/serve.py --ckpt "random:$shape" \
+      --tokenizer "$TOKENIZER" "${loop[@]}" --port "$port" --max_seqs 64 \
+      --max_context 2048 --num_slots 128 ${SERVE_ARGS:-} >"$OUT/serve_${shape}_${mode}.log" 2>&1 &
+    srv=$!
+    for _ in $(seq 300); do
+      curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+      kill -0 $srv 2>/dev/null || break
+      sleep 1
+    done
+    grep -E "serving loop on the device|op by op|engine up" "$OUT/serve_${shape}_${mode}.log" | tail -2
+    for p in $(pgrep -f "nic_frontend.worker.*--port $port"); do taskset -pc $FRONT "$p" >/dev/null; done
+    bench "${shape}_${mode}_quiet" "$port" 0 "$FRONT"
+    bench "${shape}_${mode}_int${INT}" "$port" "$INT" "$FRONT"
+    if [[ " $UNPINNED " == *" $shape:$mode "* ]]; then
+      for p in $(pgrep -f "nic_frontend.worker.*--port $port"); do taskset -pc 0-$((NCPU - 1)) "$p" >/dev/null; done
+      RATES=inf bench "${shape}_${mode}_int${INT}_unpinned" "$port" "$INT" ""
+    fi
+    kill -TERM $srv; wait $srv
+  done
+done
+for shape in $SHAPES; do  # one plot per shape, P99 only (legible with five configurations)
+  python3 -m bench.serving --compare "$(ls bench/results/serving_h200_${shape}_*.json | paste -sd,)" \
+    --plot_percentiles p99 --plot_out "bench/results/serving_h200_${shape#gemma3-}_p99.png" 2>&1 | tail -1
+done
+tar czf "$OUT/serving_results.tgz" bench/results/serving_h200_* 2>/dev/null

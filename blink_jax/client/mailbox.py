@@ -1,0 +1,310 @@
+"""Frontend-side access to the mailbox: submit requests, cancel, read output rings (no JAX).
+
+`Region` is the transport seam: a flat byte region with loads and stores at offsets. The
+shared-memory and in-process transports hand a numpy view (stores are plain CPU stores, which
+x86 keeps in program order, so "payload first, sequence word last" holds); remote transports
+(TCP relay, RDMA) implement the same two calls.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from blink_jax.client import protocol
+
+
+class Region(Protocol):
+  """A flat byte region: the one thing a transport provides."""
+
+  def read(self, offset: int, nbytes: int) -> bytes: ...
+
+  def write(self, offset: int, data: bytes) -> None: ...
+
+
+class LocalRegion:
+  """Memory of this process (POSIX shm mapping or a plain buffer)."""
+
+  def __init__(self, buf: np.ndarray):
+    self.buf = buf.view(np.uint8).reshape(-1)
+
+  @property
+  def address(self) -> int:
+    return self.buf.ctypes.data
+
+  def read(self, offset: int, nbytes: int) -> bytes:
+    return self.buf[offset:offset + nbytes].tobytes()
+
+  def write(self, offset: int, data: bytes) -> None:
+    n = len(data)
+    if n in (4, 8) and offset % n == 0:
+      # A sequence / cancel / doorbell word: one aligned store, never torn.
+      self.buf[offset:offset + n].view("<u4" if n == 4 else "<u8")[0] = (
+          int.from_bytes(data, "little"))
+    else:
+      self.buf[offset:offset + n] = np.frombuffer(data, np.uint8)
+
+
+def init_header(region: Region, geo: protocol.Geometry, *, vocab_size: int, max_context: int,
+                num_workers: int, eos_id: int) -> None:
+  """Writes a fresh header (engine side, before READY)."""
+  h = np.zeros((), protocol.HEADER_DTYPE)
+  h["magic"], h["version"], h["header_bytes"] = protocol.MAGIC, protocol.VERSION, protocol.HEADER_BYTES
+  h["num_slots"], h["max_prompt"] = geo.num_slots, geo.max_prompt
+  h["ring_capacity"], h["max_top_logprobs"] = geo.ring_capacity, geo.max_top_logprobs
+  h["request_bytes"], h["output_bytes"] = geo.request_bytes, geo.output_bytes
+  h["total_bytes"], h["vocab_size"], h["max_context"] = geo.total_bytes, vocab_size, max_context
+  h["num_workers"], h["eos_id"] = num_workers, eos_id
+  h["engine_state"] = protocol.EngineState.STARTING
+  region.write(0, h.tobytes())
+
+
+def read_header(region: Region) -> np.ndarray:
+  h = np.frombuffer(region.read(0, protocol.HEADER_BYTES), protocol.HEADER_DTYPE)[0]
+  if int(h["magic"]) != protocol.MAGIC or int(h["version"]) != protocol.VERSION:
+    raise ValueError(f"not a blink mailbox (magic {int(h['magic']):#x}, version "
+                     f"{int(h['version'])}); expected version {protocol.VERSION}")
+  return h
+
+
+def geometry_of(h: np.ndarray) -> protocol.Geometry:
+  return protocol.Geometry(int(h["num_slots"]), int(h["max_prompt"]), int(h["ring_capacity"]),
+                    int(h["max_top_logprobs"]))
+
+
+def _u32(x: int) -> bytes:
+  return int(x).to_bytes(4, "little")
+
+
+def _field_offset(dtype: np.dtype, name: str) -> int:
+  return dtype.fields[name][1]
+
+
+_CANCEL = _field_offset(protocol.REQUEST_DTYPE, "cancel")
+_CONSUMED = _field_offset(protocol.REQUEST_DTYPE, "consumed")
+_DOORBELLS = _field_offset(protocol.HEADER_DTYPE, "doorbell")
+# Header counters the device bumps whenever an output ring gains entries or a request ends
+# (tokens_generated .. requests_finished): one read says whether any slot needs polling.
+_PROGRESS = _field_offset(protocol.HEADER_DTYPE, "tokens_generated")
+_PROGRESS_LEN = _field_offset(protocol.HEADER_DTYPE, "requests_finished") + 8 - _PROGRESS
+
+
+def write_header_word(region: Region, field: str, value: int) -> None:
+  """One 32-bit word of the header, written alone (engine host side: engine_state, shutdown,
+  num_workers; ffi/mailbox.h says who owns which)."""
+  if protocol.HEADER_DTYPE.fields[field][0].itemsize != 4:
+    raise ValueError(f"header field {field!r} is not one 32-bit word")
+  region.write(_field_offset(protocol.HEADER_DTYPE, field), _u32(value))
+
+
+@dataclasses.dataclass
+class Request:
+  """What the frontend writes into a slot (validated again on the device)."""
+  prompt: Sequence[int]
+  max_tokens: int
+  temperature: float = 0.0
+  top_p: float = 1.0
+  top_k: int = 0
+  seed: int = 0
+  stop_ids: Sequence[int] = ()
+  num_logprobs: int = 0
+  logprobs: bool = False
+  prompt_logprobs: bool = False  # entries start with the prompt's tokens 1.. and logprobs
+  ignore_eos: bool = False
+  request_id: int = 0
+
+
+@dataclasses.dataclass
+class Output:
+  """New entries of a slot since the last poll, and its finish if it has finished."""
+  tokens: list[int]
+  logprobs: list[float]
+  top: list[list[tuple[int, float]]]
+  finished: bool
+  finish_reason: protocol.Finish = protocol.Finish.NONE
+  error: protocol.Error = protocol.Error.NONE
+  admit_ticket: int = 0
+  preemptions: int = 0
+
+
+class SlotsFullError(RuntimeError):
+  """Every slot of this worker holds a request."""
+
+
+class MailboxClient:
+  """One frontend worker's view: it alone writes the request side of its slot range."""
+
+  def __init__(self, region: Region, worker: int = 0, num_workers: int = 1):
+    self.region = region
+    self.header = read_header(region)
+    self.geo = geometry_of(self.header)
+    self.worker = worker
+    self.slots = self.geo.worker_slots(worker, num_workers)
+    self._lock = threading.Lock()
+    self._free = list(reversed(self.slots))
+    self._seq: dict[int, int] = {}
+    self._read: dict[int, int] = {}
+    self._doorbell = int(self.header["doorbell"][worker])
+    # Continue the sequence numbers a previous client of these slots left behind. A slot whose
+    # request is still unfinished (its client died) is cancelled and kept out of the free list
+    # until the device finishes it: see reclaim().
+    self._stale: set[int] = set()
+    for s in self.slots:
+      req = self._request(s)
+      self._seq[s] = int(req["seq"])
+      if self._seq[s] != 0 and int(self._output(s)["finished_seq"]) != self._seq[s]:
+        self._stale.add(s)
+        self._free.remove(s)
+    if self._stale:
+      for s in sorted(self._stale):
+        self.region.write(self.geo.request_offset(s) + _CANCEL, _u32(self._seq[s]))
+      self._ring_doorbell()
+
+  # ---- low level ----
+  def _request(self, slot: int) -> np.ndarray:
+    raw = self.region.read(self.geo.request_offset(slot), protocol.REQUEST_FIXED_BYTES)
+    return np.frombuffer(raw, protocol.REQUEST_DTYPE)[0]
+
+  def _output(self, slot: int) -> np.ndarray:
+    raw = self.region.read(self.geo.output_offset(slot), protocol.OUTPUT_FIXED_BYTES)
+    return np.frombuffer(raw, protocol.OUTPUT_DTYPE)[0]
+
+  def _ring_doorbell(self) -> None:
+    self._doorbell += 1
+    off = _DOORBELLS + protocol.HEADER_DTYPE.fields["doorbell"][0].base.itemsize * self.worker
+    self.region.write(off, self._doorbell.to_bytes(8, "little"))
+
+  def header_now(self) -> np.ndarray:
+    return read_header(self.region)
+
+  @property
+  def free_slots(self) -> int:
+    return len(self._free)
+
+  @property
+  def stale_slots(self) -> int:
+    return len(self._stale)
+
+  def reclaim(self) -> int:
+    """Frees the stale slots (left unfinished by a previous client) that have finished since;
+    returns how many are still pending."""
+    with self._lock:
+      for s in sorted(self._stale):
+        if int(self._output(s)["finished_seq"]) == self._seq[s]:
+          self._stale.discard(s)
+          self._free.append(s)
+      return len(self._stale)
+
+  # ---- requests ----
+  def submit(self, r: Request, overrides: dict | None = None) -> int:
+    """Writes `r` into a free slot and publishes it; returns the slot.
+
+    `overrides` are request fields written verbatim after the normal encoding (tests use it to
+    forge requests the device must reject).
+    """
+    g = self.geo
+    if len(r.stop_ids) > protocol.MAX_STOP_IDS:
+      raise ValueError(f"at most {protocol.MAX_STOP_IDS} stop token ids, got {len(r.stop_ids)}")
+    if len(r.prompt) > g.max_prompt:
+      raise ValueError(f"prompt of {len(r.prompt)} tokens exceeds the slot capacity "
+                       f"{g.max_prompt}")
+    if not self._free and self._stale:
+      self.reclaim()
+    with self._lock:
+      if not self._free:
+        raise SlotsFullError(f"all {len(self.slots)} slots of worker {self.worker} are busy")
+      slot = self._free.pop()
+      # Next sequence number after the one in the slot: normally ours; if another writer used
+      # the slot meanwhile (a misconfigured second client), still never a seq whose output
+      # is already there (ABA).
+      current = int(self._request(slot)["seq"])
+      seq = (max(self._seq[slot], current) + 1) & 0xFFFFFFFF or 1
+      self._seq[slot] = seq
+      self._read[slot] = 0
+      req = np.zeros((), protocol.REQUEST_DTYPE)
+      req["cancel"], req["consumed"], req["prompt_len"] = 0, 0, len(r.prompt)
+      req["request_id"], req["seed"] = r.request_id, r.seed & 0xFFFFFFFFFFFFFFFF
+      req["max_tokens"] = r.max_tokens
+      req["temperature"], req["top_p"], req["top_k"] = r.temperature, r.top_p, r.top_k
+      req["num_logprobs"] = r.num_logprobs
+      req["flags"] = ((protocol.FLAG_LOGPROBS if r.logprobs else 0)
+                      | (protocol.FLAG_PROMPT_LOGPROBS if r.prompt_logprobs else 0)
+                      | (protocol.FLAG_IGNORE_EOS if r.ignore_eos else 0))
+      req["num_stop_ids"] = len(r.stop_ids)
+      req["arrival_ns"] = time.monotonic_ns()
+      req["stop_ids"][:len(r.stop_ids)] = list(r.stop_ids)
+      for k, v in (overrides or {}).items():
+        req[k] = v
+      req["seq"] = current  # unchanged until the payload is in place
+      # Payload first (prompt, then the fixed fields), the sequence word last.
+      self.region.write(g.prompt_offset(slot),
+                        np.asarray(r.prompt, dtype=np.int64).astype("<i4").tobytes())
+      self.region.write(g.request_offset(slot), req.tobytes())
+      self.region.write(g.request_offset(slot), _u32(seq))
+      self._ring_doorbell()
+      return slot
+
+  def cancel(self, slot: int) -> None:
+    with self._lock:
+      self.region.write(self.geo.request_offset(slot) + _CANCEL, _u32(self._seq[slot]))
+      self._ring_doorbell()
+
+  def poll(self, slot: int) -> Output:
+    """Reads the entries produced since the last poll (and marks them consumed)."""
+    g, seq = self.geo, self._seq[slot]
+    out = self._output(slot)
+    if int(out["started_seq"]) != seq:
+      return Output([], [], [], False)
+    finished = int(out["finished_seq"]) == seq
+    count = int(out["count"])  # read after finished_seq: includes every entry if finished
+    if finished:
+      out = self._output(slot)
+      count = int(out["count"])
+    start = self._read[slot]
+    n = count - start
+    tokens, lps, top = [], [], []
+    if n > 0:
+      # The whole ring in one load (tokens | logprobs | top ids | top logprobs are contiguous):
+      # one round trip on a remote transport.
+      ring, k = g.ring_capacity, g.max_top_logprobs
+      base = g.out_tokens_offset(slot)
+      at = lambda offset: offset - base  # noqa: E731 - offsets inside the one load
+      raw = self.region.read(base, g.out_top_logprobs_offset(slot) + 4 * ring * k - base)
+      idx = (start + np.arange(n)) % ring
+      tokens = np.frombuffer(raw, "<i4", ring, 0)[idx].tolist()
+      lps = np.frombuffer(raw, "<f4", ring, at(g.out_logprobs_offset(slot)))[idx].tolist()
+      if k:
+        ti = np.frombuffer(raw, "<i4", ring * k, at(g.out_top_ids_offset(slot)))
+        ti = ti.reshape(ring, k)[idx].tolist()
+        tl = np.frombuffer(raw, "<f4", ring * k, at(g.out_top_logprobs_offset(slot)))
+        tl = tl.reshape(ring, k)[idx]
+        top = [list(zip(a, b)) for a, b in zip(ti, tl.tolist())]
+      self._read[slot] = count
+      self.region.write(g.request_offset(slot) + _CONSUMED, _u32(count))
+    return Output(tokens, lps, top, finished,
+                  protocol.Finish(int(out["finish_reason"])) if finished else protocol.Finish.NONE,
+                  protocol.Error(int(out["error_code"])) if finished else protocol.Error.NONE,
+                  int(out["admit_ticket"]), int(out["preemptions"]))
+
+  def progress(self) -> bytes:
+    """The device's progress counters: unchanged since the last call means no output ring of
+    any slot has gained an entry and no request has finished (one read instead of a poll of
+    every slot in flight)."""
+    return self.region.read(_PROGRESS, _PROGRESS_LEN)
+
+  def poll_many(self, slots) -> list[tuple[int, Output]]:
+    """`poll` of each slot; the (slot, output) pairs with new entries or a finish."""
+    out = []
+    for slot in slots:
+      o = self.poll(slot)
+      if o.tokens or o.finished:
+        out.append((slot, o))
+    return out
+
+  def release(self, slot: int) -> None:
+    """Returns a finished (and fully read) slot to this worker's free list."""
+    with self._lock:
+      self._free.append(slot)

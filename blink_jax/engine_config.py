@@ -1,0 +1,221 @@
+"""The engine's one configuration: `EngineConfig`, with the step's kernels as `KernelOptions`.
+
+Both the Python API (`Engine(model, tokenizer, config)`, `Engine.from_checkpoint(name,
+**overrides)`) and `scripts/serve.py`'s flags come from these dataclasses: every field is one
+flag of the same name (`define_flags`, `from_flags`), with the help text kept next to the
+field. A config is validated once, when it is made (`__post_init__`), and `resolved` fills in
+the sizes that depend on the model and the device; the engine prints the result at startup.
+The lowest layer of the package: JAX-free and importing nothing of blink_jax, so the kernel
+selection, the executor and the engine all read it, and flags exist before JAX starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+KERNEL_KINDS = ("auto", "reference", "pallas")
+GEMV_PROJECTIONS = ("qkv", "out", "down", "gate_up")
+# What gemv="auto" runs on a GPU: the q/k/v, output and down projections (on the H200, 1B
+# shape, a batch-1 token 1.39 instead of 1.38-1.60 ms; the gate/up projection through the
+# GEMV was no faster: docs/PERFORMANCE.md).
+GEMV_AUTO = ("qkv", "out", "down")
+MODES = ("persistent", "host")
+
+
+def _field(default: Any, help: str, **kw) -> Any:  # noqa: A002 - the flag's help
+  return dataclasses.field(default=default, metadata={"help": help, **kw})
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+  """Which implementation of each kernel family a serving step runs. "auto" means the fast
+  kernel on a GPU and the jnp reference elsewhere (Pallas' interpreter is slow on a CPU);
+  naming one forces it (on a CPU a Pallas kernel then runs in Pallas' interpreter, which the
+  tests use). docs/ARCHITECTURE.md, "Kernels", says what each kernel does."""
+  attention: str = _field("auto", "Paged attention of decode-sized steps (up to decode_rows "
+                          "tokens): the Pallas kernel that reads KV pages in place, or the jnp "
+                          "reference.", choices=KERNEL_KINDS)
+  prefill: str = _field("reference", "Attention of prefill-sized steps: the jnp reference or "
+                        "the Pallas prefill kernel (blocks of tokens read each sequence's "
+                        "pages once).", choices=KERNEL_KINDS)
+  norm: str = _field("auto", "Residual add + RMSNorm pairs and each layer's q/k RMSNorm + "
+                     "RoPE + cache write: one Pallas kernel each, or the jnp reference.",
+                     choices=KERNEL_KINDS)
+  gemv: str = _field("auto", "Projections of steps of up to 8 tokens run by the CUDA GEMV: "
+                     "auto (qkv+out+down on a GPU, none elsewhere), none, or names from "
+                     f"{'+'.join(GEMV_PROJECTIONS)} joined by '+'.")
+  decode_rows: int = _field(64, "Largest step (tokens) whose attention is decode-sized.")
+
+  def __post_init__(self):
+    for name in ("attention", "prefill", "norm"):
+      if getattr(self, name) not in KERNEL_KINDS:
+        raise ValueError(f"{name} must be one of {KERNEL_KINDS}, got {getattr(self, name)!r}")
+    self.gemv_projections("gpu")  # validates the names
+    if not isinstance(self.decode_rows, int) or self.decode_rows < 1:
+      raise ValueError(f"decode_rows must be an integer >= 1, got {self.decode_rows!r}")
+
+  def gemv_projections(self, platform: str) -> frozenset[str]:
+    """The projections the CUDA GEMV runs on a device of `platform` ("gpu", "cpu", ...)."""
+    if self.gemv == "auto":
+      return frozenset(GEMV_AUTO) if platform == "gpu" else frozenset()
+    if self.gemv in ("none", ""):
+      return frozenset()
+    names = frozenset(self.gemv.split("+"))
+    if bad := sorted(names - set(GEMV_PROJECTIONS)):
+      raise ValueError(f"gemv={self.gemv!r}: unknown projection(s) {bad}; use auto, none or "
+                       f"names from {GEMV_PROJECTIONS} joined by '+'")
+    return names
+
+  def resolved(self, platform: str) -> "KernelOptions":
+    """The options with every "auto" replaced by what it means on `platform`."""
+    pick = lambda kind: ("pallas" if platform == "gpu" else "reference") if kind == "auto" \
+        else kind  # noqa: E731
+    gemv = "+".join(p for p in GEMV_PROJECTIONS if p in self.gemv_projections(platform))
+    return dataclasses.replace(self, attention=pick(self.attention), prefill=pick(self.prefill),
+                               norm=pick(self.norm), gemv=gemv or "none")
+
+  def without_pallas(self, families: tuple[str, ...]) -> "KernelOptions":
+    """The options with the named families back on the jnp reference (the executor's
+    fallback when a Pallas kernel that "auto" chose does not compile on this GPU)."""
+    return dataclasses.replace(self, **{f: "reference" for f in families})
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Sizes, the loop's form and the kernels of one engine (docs/ARCHITECTURE.md)."""
+  max_seqs: int = _field(8, "Sequences decoded together (lanes of the device scheduler).")
+  kv_pages: int | None = _field(None, "KV cache pages (default: max_context worth for every "
+                                "sequence).")
+  page_size: int = _field(16, "Tokens per KV page.")
+  max_context: int | None = _field(None, "Context length served (default: the model's, at "
+                                   "most 4096).")
+  num_slots: int = _field(64, "Mailbox request slots, shared out among the frontend workers.")
+  ring_capacity: int = _field(64, "Entries of each slot's output ring.")
+  max_top_logprobs: int = _field(8, "Most top logprobs a request may ask for.")
+  buckets: tuple[int, ...] | None = _field(None, "Token counts the step is compiled for "
+                                           "(default: 1, 8, 64 and the token budget).")
+  mode: str = _field("persistent", "persistent: the serving loop runs on the device; host: "
+                     "the host drives each step (the conventional design, for comparison).",
+                     choices=MODES)
+  fused_step: bool = _field(False, "One scheduler kernel per step (the commit of a step and "
+                            "the schedule of the next) instead of a schedule and a commit.")
+  idle_poll_us: int = _field(200, "How long the idle loop waits between mailbox polls.")
+  frontend_workers: int = _field(0, "Frontend worker processes that share the mailbox "
+                                 "(slot ranges 0..N-1; the engine's own generate() is N).")
+  warm_up: bool | None = _field(None, "Serve a workload that takes every bucket branch "
+                                "before READY (default: on a GPU).")
+  kernels: KernelOptions = dataclasses.field(default_factory=KernelOptions)
+
+  def __post_init__(self):
+    def positive(name, allow_none=False):
+      v = getattr(self, name)
+      if v is None and allow_none:
+        return
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    for name in ("max_seqs", "page_size", "num_slots", "ring_capacity"):
+      positive(name)
+    for name in ("kv_pages", "max_context"):
+      positive(name, allow_none=True)
+    if not isinstance(self.max_top_logprobs, int) or self.max_top_logprobs < 0:
+      raise ValueError(f"max_top_logprobs must be an integer >= 0, got "
+                       f"{self.max_top_logprobs!r}")
+    if self.max_context is not None and self.max_context < 2:
+      raise ValueError(f"max_context must be at least 2, got {self.max_context}")
+    if self.mode not in MODES:
+      raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+    if self.idle_poll_us < 0 or self.frontend_workers < 0:
+      raise ValueError("idle_poll_us and frontend_workers must be >= 0")
+    if self.buckets is not None:
+      b = tuple(self.buckets)
+      if not b or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in b) \
+          or list(b) != sorted(set(b)):
+        raise ValueError(f"buckets must be increasing integers >= 1, got {self.buckets!r}")
+      object.__setattr__(self, "buckets", b)
+    if not isinstance(self.kernels, KernelOptions):
+      raise TypeError(f"kernels must be a KernelOptions, got {type(self.kernels).__name__}")
+
+  @classmethod
+  def from_kwargs(cls, base: "EngineConfig | None" = None, **kw) -> "EngineConfig":
+    """`base` (default: the defaults) with fields replaced by keyword: any EngineConfig
+    field, and any KernelOptions field at the top level (attention="pallas", gemv="none")."""
+    base = base or cls()
+    kernel_names = {f.name for f in dataclasses.fields(KernelOptions)}
+    engine_names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(kw) - kernel_names - engine_names)
+    if unknown:
+      raise TypeError(f"unknown engine option(s) {unknown}; known: "
+                      f"{sorted(engine_names | kernel_names)}")
+    kernels = {k: kw.pop(k) for k in list(kw) if k in kernel_names}
+    if kernels:
+      kw["kernels"] = dataclasses.replace(kw.get("kernels", base.kernels), **kernels)
+    return dataclasses.replace(base, **kw)
+
+  def resolved(self, model_max_context: int, platform: str) -> "EngineConfig":
+    """The config with the model- and device-dependent defaults filled in: max_context,
+    kv_pages, buckets, warm_up and the kernels' "auto"."""
+    max_context = self.max_context or min(model_max_context, 4096)
+    if max_context > model_max_context:
+      raise ValueError(f"max_context {max_context} exceeds the model's {model_max_context}")
+    kv_pages = self.kv_pages or -(-max_context // self.page_size) * self.max_seqs
+    buckets = self.buckets
+    if buckets is None:
+      budget = max(256, self.max_seqs)
+      buckets = tuple(sorted({min(b, budget) for b in (1, 8, 64)} | {budget}))
+    return dataclasses.replace(
+        self, max_context=max_context, kv_pages=kv_pages, buckets=buckets,
+        warm_up=(platform == "gpu") if self.warm_up is None else self.warm_up,
+        kernels=self.kernels.resolved(platform))
+
+  def describe(self) -> str:
+    """One line for the startup log."""
+    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    kernels = fields.pop("kernels")
+    text = ", ".join(f"{k}={v}" for k, v in fields.items())
+    ks = ", ".join(f"{f.name}={getattr(kernels, f.name)}" for f in dataclasses.fields(kernels))
+    return f"{text}; kernels: {ks}"
+
+
+# ---- command-line flags (absl), one per field ----
+
+def _flag_fields():
+  for cls, prefix in ((EngineConfig, ""), (KernelOptions, "kernels.")):
+    for f in dataclasses.fields(cls):
+      if f.name != "kernels":
+        yield cls, prefix + f.name, f
+
+
+def define_flags(flag_values=None) -> None:
+  """Defines one absl flag per EngineConfig and KernelOptions field, named after it, whose
+  default (unset) means the dataclass's default."""
+  from absl import flags
+  fv = flags.FLAGS if flag_values is None else flag_values
+  defaults = {"": EngineConfig(), "kernels.": KernelOptions()}
+  for cls, path, f in _flag_fields():
+    name = path.split(".")[-1]
+    default = getattr(defaults["kernels." if path.startswith("kernels.") else ""], name)
+    help_text = f"{f.metadata['help']} (default: {default})"
+    if f.metadata.get("choices"):
+      flags.DEFINE_enum(name, None, f.metadata["choices"], help_text, flag_values=fv)
+    elif name == "buckets":
+      flags.DEFINE_list(name, None, help_text, flag_values=fv)
+    elif f.type in ("bool", "bool | None") or isinstance(default, bool):
+      flags.DEFINE_bool(name, None, help_text, flag_values=fv)
+    elif f.type in ("int", "int | None"):
+      flags.DEFINE_integer(name, None, help_text, flag_values=fv)
+    else:
+      flags.DEFINE_string(name, None, help_text, flag_values=fv)
+
+
+def from_flags(flag_values=None) -> EngineConfig:
+  """The EngineConfig the flags `define_flags` defined ask for (unset flags: defaults)."""
+  from absl import flags
+  fv = flags.FLAGS if flag_values is None else flag_values
+  kw = {}
+  for _, path, f in _flag_fields():
+    name = path.split(".")[-1]
+    value = fv[name].value
+    if value is None:
+      continue
+    kw[name] = tuple(int(b) for b in value) if name == "buckets" else value
+  return EngineConfig.from_kwargs(**kw)

@@ -1,0 +1,336 @@
+"""The executor: one XLA program that serves until the mailbox's shutdown word is set.
+
+Persistent mode: `jax.jit` of a `lax.while_loop` whose body is blink_schedule (FFI) -> the
+model step on the step's ragged batch (one `lax.switch` branch per token bucket; an empty step
+runs no model) -> blink_commit (FFI). KV pages, scheduler state, history and page tables are
+the loop carry (donated). On a GPU with the command-buffer flags the loop becomes a CUDA graph
+with a device-side WHILE node: after launch the host CPU does nothing.
+
+Host mode: the same step, jitted alone, driven by a Python loop that waits for every step (the
+conventional design of JetStream and vLLM); the baseline every benchmark compares to.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from blink_jax.engine_config import KernelOptions
+from blink_jax.executor import xla_flags
+from blink_jax.executor.loop_report import XLA_OP_BY_OP_LINE, capture_stderr, command_buffer_report
+from blink_jax.kernels.select import step_kernels
+from blink_jax.model.gemma import Gemma, init_kv_cache
+from blink_jax.model.sampling import sample, top_n
+from blink_jax.native import batch, ffi
+
+log = logging.getLogger("blink_jax.executor")
+
+
+@dataclasses.dataclass
+class Carry:
+  state: jax.Array       # scheduler state (int32 words, layout private to ffi/)
+  history: jax.Array     # [max_seqs, max_context] token ids per lane
+  page_table: jax.Array  # [max_seqs, max_pages_per_seq]
+  kv: list               # per layer kv_pages (keys, then values)
+  shutdown: jax.Array    # int32 scalar: the last schedule saw the shutdown word
+  words: jax.Array       # the batch the next step runs (fused steps; unused when split)
+
+
+jax.tree_util.register_dataclass(Carry, data_fields=["state", "history", "page_table", "kv",
+                                                     "shutdown", "words"], meta_fields=[])
+
+
+# The FFI calls read and write the mailbox but are not marked side-effecting: every result is
+# consumed by the next call, so data dependencies already order them (marking them made no
+# difference on the H200; docs/PERFORMANCE.md, "Removed experiments").
+
+
+def schedule_call(cfg: ffi.SchedConfig, state, history, page_table):
+  out = (jax.ShapeDtypeStruct(state.shape, jnp.int32),
+         jax.ShapeDtypeStruct(history.shape, jnp.int32),
+         jax.ShapeDtypeStruct(page_table.shape, jnp.int32),
+         jax.ShapeDtypeStruct((ffi.batch_words(cfg),), jnp.int32))
+  return jax.ffi.ffi_call("blink_schedule", out, input_output_aliases={0: 0, 1: 1, 2: 2})(
+      state, history, page_table, **cfg.attrs())
+
+
+def step_call(cfg: ffi.SchedConfig, state, history, page_table, words, *outputs):
+  """blink_step: commit of this step's outputs (as commit_call), then the next step's
+  schedule, in one custom call (one kernel on the GPU) -> (state, history, page_table, words)."""
+  out = (jax.ShapeDtypeStruct(state.shape, jnp.int32),
+         jax.ShapeDtypeStruct(history.shape, jnp.int32),
+         jax.ShapeDtypeStruct(page_table.shape, jnp.int32),
+         jax.ShapeDtypeStruct(words.shape, jnp.int32))
+  return jax.ffi.ffi_call("blink_step", out, input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3})(
+      state, history, page_table, words, *outputs, **cfg.attrs())
+
+
+def commit_call(cfg: ffi.SchedConfig, state, history, page_table, words, sampled, logprobs,
+                top_ids, top_lps, row_lps, row_top_ids, row_top_lps):
+  """Per sample (max_seqs): token, logprob, top-n; per batch row (token_budget): the logprob
+  and top-n of the row's prompt-logprob target (ffi/scheduler.h, BlinkStepOutputs)."""
+  out = (jax.ShapeDtypeStruct(state.shape, jnp.int32),
+         jax.ShapeDtypeStruct(history.shape, jnp.int32))
+  return jax.ffi.ffi_call("blink_commit", out, input_output_aliases={0: 0, 1: 1})(
+      state, history, page_table, words, sampled, logprobs, top_ids, top_lps, row_lps,
+      row_top_ids, row_top_lps, **cfg.attrs())
+
+
+class Executor:
+  """Owns the device state and runs the serving loop over one mailbox."""
+
+  def __init__(self, model: Gemma, sched: ffi.SchedConfig, *, max_top_logprobs: int,
+               device: jax.Device | None = None, fused_step: bool = False,
+               kernels: KernelOptions | None = None):
+    """fused_step: one scheduler call per step (blink_step: commit, then the next schedule)
+    instead of two (blink_schedule before the model, blink_commit after it).
+    kernels: the step's kernels (`KernelOptions`; "auto" resolved for this device, see
+    `blink_jax.kernels.select`)."""
+    ffi.register_targets()
+    self.model = model
+    self.sched = sched
+    self.max_top = max_top_logprobs
+    self.device = device or jax.devices()[0]
+    asked = kernels or KernelOptions()
+    self.kernels = asked.resolved(self.device.platform)
+    # Kernel families "auto" put on Pallas: if they fail to compile, `compile` falls back.
+    self._auto_pallas = tuple(kind for kind in ("attention", "prefill", "norm")
+                              if getattr(asked, kind) == "auto"
+                              and getattr(self.kernels, kind) == "pallas")
+    self.graphdef, params = nnx.split(model)
+    # The weights travel as a flat tuple of arrays: jax dispatches a tuple of ~350 arrays in
+    # ~70 us, the same leaves inside nnx.State objects in ~300 us (measured on CPU), a cost
+    # host mode pays every step. Traced code rebuilds the State (`_model`).
+    leaves, self._params_def = jax.tree.flatten(params)
+    self.params = tuple(jax.device_put(leaves, self.device))
+    # Each layer's q/k/v and gate/up weights side by side, made once: a step that made them
+    # would copy them every step in host mode (the loop hoists such a copy; a step cannot).
+    self.fused = jax.jit(lambda p: tuple(self._model(p).fused_weights()))(self.params)
+    # Zero outputs for empty steps and requests without logprobs, made once: a zero-fill
+    # inside the loop would be a memset, which XLA cannot capture into a CUDA graph.
+    n, k, r = sched.max_seqs, max_top_logprobs, sched.token_budget
+    self.zeros = jax.device_put((np.zeros((n,), np.int32), np.zeros((n,), np.float32),
+                                 np.zeros((n, k), np.int32), np.zeros((n, k), np.float32),
+                                 np.zeros((r,), np.float32), np.zeros((r, k), np.int32),
+                                 np.zeros((r, k), np.float32)), self.device)
+    self.fused_step = fused_step
+    self._make_jits()
+
+  def _make_jits(self):
+    """The jitted step, prime and loop. Fresh partials each time: jax caches traces by
+    function, and a bound method compares equal to itself, so re-jitting one after the
+    kernel choice changed would reuse the old trace.
+    keep_unused: a carry field a step does not read (the split step's words and shutdown)
+    would be pruned from its inputs, and its output would get a fresh buffer every step; a
+    CUDA graph that touches a moved buffer is re-recorded before it runs. Kept, every carry
+    output aliases its donated input and the addresses stay put."""
+    step_fn = Executor._fused_step_fn if self.fused_step else Executor._step_fn
+    self._step = jax.jit(functools.partial(step_fn, self), donate_argnums=(1,),
+                         keep_unused=True)
+    self._prime = jax.jit(functools.partial(Executor._prime_fn, self), donate_argnums=(0,),
+                          keep_unused=True)
+    self._loop = jax.jit(functools.partial(Executor._loop_fn, self), donate_argnums=(1,),
+                         keep_unused=True)
+
+  def _model(self, params: tuple) -> Gemma:
+    """The model over the flat weight tuple (inside traced code)."""
+    return nnx.merge(self.graphdef, jax.tree.unflatten(self._params_def, params))
+
+  @property
+  def inputs(self):
+    """The loop's read-only inputs: weights, the zero outputs, the fused weights."""
+    return (self.params, self.zeros, self.fused)
+
+  # ---- state ----
+  def initial_carry(self) -> Carry:
+    s = self.sched
+    with jax.default_device(self.device):
+      return Carry(
+          state=jnp.asarray(ffi.initial_state(s)),
+          history=jnp.zeros((s.max_seqs, s.max_context), jnp.int32),
+          page_table=jnp.zeros((s.max_seqs, s.max_pages_per_seq), jnp.int32),
+          kv=init_kv_cache(self.model.cfg, s.num_pages, s.page_size, self.model.dtype),
+          shutdown=jnp.zeros((), jnp.int32),
+          words=jnp.zeros((ffi.batch_words(s),), jnp.int32))
+
+  # ---- one step ----
+  def _bucket_branch(self, rows: int):
+    s, max_top = self.sched, self.max_top
+    samples = min(rows, s.max_seqs)
+
+    def run(params, words, page_table, kv):
+      params, zeros, fused = params
+      model = self._model(params)
+      b = batch.split(words, s.token_budget, s.max_seqs, rows, samples)
+      kernels = step_kernels(model.cfg, self.kernels, rows,
+                             interpret=self.device.platform != "gpu")
+      hidden, kv = model.forward(b.tokens, b.positions, b.seq_ids, page_table, kv, kernels,
+                                 fused=fused)
+      h = hidden[jnp.clip(b.rows, 0, rows - 1)]
+      logits = model.logits(h)
+      f32 = lambda bits: lax.bitcast_convert_type(bits, jnp.float32)
+      tok, lp, tid, tlp = sample(logits, f32(b.temperature), f32(b.top_p), b.top_k, b.seed_lo,
+                                 b.seed_hi, b.position, b.num_logprobs,
+                                 (zeros[1][:samples], zeros[2][:samples], zeros[3][:samples]),
+                                 max_top=max_top)
+      pad = s.max_seqs - samples
+      rlp, rid, rtl = self._prompt_logprobs(model, hidden, b.targets, zeros[4:], rows)
+      rpad = s.token_budget - rows
+      return (jnp.pad(tok, (0, pad)), jnp.pad(lp, (0, pad)), jnp.pad(tid, ((0, pad), (0, 0))),
+              jnp.pad(tlp, ((0, pad), (0, 0))), jnp.pad(rlp, (0, rpad)),
+              jnp.pad(rid, ((0, rpad), (0, 0))), jnp.pad(rtl, ((0, rpad), (0, 0))), kv)
+
+    return run
+
+  def _prompt_logprobs(self, model, hidden, targets, zeros, rows: int):
+    """Logprob (and top-n) of each row's target token under the model; only computed when
+    some row has a target (a request asked for prompt logprobs): logits of every row."""
+    max_top = self.max_top
+
+    def compute():
+      lp = jax.nn.log_softmax(model.logits(hidden), axis=-1)
+      chosen = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
+      if max_top == 0:
+        return chosen, zeros[1][:rows], zeros[2][:rows]
+      top_lp, top_id = top_n(lp, max_top)
+      return chosen, top_id, top_lp
+
+    return lax.cond(jnp.any(targets >= 0), compute,
+                    lambda: (zeros[0][:rows], zeros[1][:rows], zeros[2][:rows]))
+
+  def _empty_branch(self, params, words, page_table, kv):
+    return (*params[1], kv)
+
+  def _step_fn(self, params, c: Carry) -> Carry:
+    s = self.sched
+    state, history, page_table, words = schedule_call(s, c.state, c.history, c.page_table)
+    branches = [self._empty_branch] + [self._bucket_branch(r) for r in s.buckets]
+    *outs, kv = lax.switch(words[batch.BUCKET] + 1, branches, params, words, page_table, c.kv)
+    state, history = commit_call(s, state, history, page_table, words, *outs)
+    return Carry(state, history, page_table, kv, words[batch.SHUTDOWN], words)
+
+  def _prime_fn(self, c: Carry) -> Carry:
+    """The first schedule of a fused loop (every later one runs inside blink_step)."""
+    state, history, page_table, words = schedule_call(self.sched, c.state, c.history,
+                                                      c.page_table)
+    return Carry(state, history, page_table, c.kv, words[batch.SHUTDOWN], words)
+
+  def _fused_step_fn(self, params, c: Carry) -> Carry:
+    """Runs the model on the scheduled batch, then commits it and schedules the next."""
+    s = self.sched
+    branches = [self._empty_branch] + [self._bucket_branch(r) for r in s.buckets]
+    *outs, kv = lax.switch(c.words[batch.BUCKET] + 1, branches, params, c.words, c.page_table, c.kv)
+    state, history, page_table, words = step_call(s, c.state, c.history, c.page_table,
+                                                  c.words, *outs)
+    return Carry(state, history, page_table, kv, words[batch.SHUTDOWN], words)
+
+  def _loop_fn(self, params, c: Carry) -> Carry:
+    step = self._fused_step_fn if self.fused_step else self._step_fn
+    if self.fused_step:
+      c = self._prime_fn(c)
+    return lax.while_loop(lambda c: c.shutdown == 0, lambda c: step(params, c), c)
+
+  # ---- drivers ----
+  def compile(self, carry: Carry, mode: str):
+    """AOT-compiles the loop (persistent) or the step (host); returns the compiled object.
+    Kernel families that "auto" put on Pallas fall back to the jnp reference, loudly, when
+    they do not compile (Triton's limits differ between GPUs); asked for by name, the error
+    stands."""
+    try:
+      return self._compile(carry, mode)
+    except Exception as e:  # noqa: BLE001 - Triton and XLA report through several types
+      if not self._auto_pallas:
+        raise
+      log.warning("the Pallas kernels for %s did not compile on %s (%s: %s); falling back to "
+                  "the jnp reference", " and ".join(self._auto_pallas), self.device,
+                  type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
+      self.kernels = self.kernels.without_pallas(self._auto_pallas)
+      self._auto_pallas = ()
+      self._make_jits()
+      return self._compile(carry, mode)
+
+  def _compile(self, carry: Carry, mode: str):
+    fn = self._loop if mode == "persistent" else self._step
+    t0 = time.perf_counter()
+    lowered = fn.lower(self.inputs, carry)
+    options = {}
+    if mode == "host" and self.device.platform == "gpu":
+      options.update(xla_flags.host_options())
+    with capture_stderr() as log_text:
+      compiled = lowered.compile(compiler_options=options or None)
+    self.compile_log = log_text()
+    self.loop_report = command_buffer_report(compiled, self.compile_log, self.device, mode)
+    log.info("compiled %s %s in %.1f s", mode, "loop" if mode == "persistent" else "step",
+             time.perf_counter() - t0)
+    return compiled
+
+  def warm_up(self, carry: Carry, compiled, mode: str, set_shutdown, workload=None) -> Carry:
+    """Runs the serving loop once before serving and returns the carry for the real run.
+
+    XLA executes a command buffer op by op the first time it runs (its warm-up: the host
+    drives every iteration of the while loop) and only launches the CUDA graph from the
+    second execution on; a serving loop executes once, so without this run it would stay
+    host-driven. `workload(loop_alive)` runs while this first execution does (requests that
+    take every bucket branch: host mode graphs each branch on its own, and each graph's
+    first run is op by op too); then `set_shutdown(True)` ends it. Without a workload the
+    loop exits at its first schedule, which is all the persistent loop needs (measured:
+    docs/ARCHITECTURE.md, "CUDA-graph rules"). Nothing may be compiled between this run and serving."""
+    run = self.run_persistent if mode == "persistent" else self.run_host
+    # Made now, not after the run: creating any new XLA executable (even this zeros_like)
+    # evicts every CUDA graph XLA holds, and the serving run would be a first execution again.
+    running = jnp.zeros_like(carry.shutdown)
+    out: dict = {}
+
+    def first_execution():
+      try:
+        out["carry"] = run(carry, compiled)
+      except BaseException as e:  # re-raised below, in the caller's thread
+        out["error"] = e
+
+    with capture_stderr() as log_text:
+      try:
+        if workload is None:
+          set_shutdown(True)
+          first_execution()
+        else:
+          t = threading.Thread(target=first_execution, name="blink-warm-up", daemon=True)
+          t.start()
+          try:
+            workload(lambda: t.is_alive())
+          finally:
+            set_shutdown(True)
+            t.join()
+      finally:
+        set_shutdown(False)
+    if "error" in out:
+      raise out["error"]
+    if XLA_OP_BY_OP_LINE in log_text():
+      self.loop_report = dict(self.loop_report, warm_up="XLA ran its op-by-op warm-up execution")
+    return dataclasses.replace(out["carry"], shutdown=running)
+
+  def run_persistent(self, carry: Carry, compiled=None) -> Carry:
+    """Runs until the shutdown word is set; returns the final carry."""
+    fn = compiled or self._loop
+    return jax.block_until_ready(fn(self.inputs, carry))
+
+  def run_host(self, carry: Carry, compiled=None, on_step=None) -> Carry:
+    """Host-driven: Python launches every step and waits for it (the conventional design)."""
+    fn = compiled or self._step
+    if self.fused_step:
+      carry = self._prime(carry)
+      if int(carry.shutdown):
+        return carry
+    while True:
+      carry = fn(self.inputs, carry)
+      if int(carry.shutdown):  # waits for the step, as serving loops that read tokens do
+        return carry
+      if on_step is not None:
+        on_step(carry)

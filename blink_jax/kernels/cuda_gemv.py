@@ -1,0 +1,111 @@
+"""Small-batch matrix-vector products as one CUDA kernel (`ffi/gemv_cuda.cu`, FFI target
+blink_gemv): x [T, K] times w [K, N] -> split partial sums [S, T, N] float32, for steps of up
+to MAX_TOKENS tokens.
+
+XLA runs a batch-1 step's q/k/v, output and down projections (1B shape) as GEMM kernels of
+7.6-9 us each whatever their size (3.5 to 16 MB: 0.4-1.9 TB/s; docs/NOTES.md, "The CUDA GEMV:
+one pass per block").
+This kernel reads each weight byte once with 16-byte loads, every row of a thread in flight
+at once, from S x N/64 blocks (S: one pass per block, and enough blocks to cover the GPU).
+`KernelOptions.gemv` picks the projections of small GPU steps it runs
+(`blink_jax.kernels.select`): the output and down projections' partial sums go to the add +
+norm kernel (with the Pallas norm kernels), the q/k/v and gate/up projections' are added up by
+XLA (`matmul`). Elsewhere (CPU, or no CUDA library) `partials` computes the same sums with
+jnp.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from blink_jax.native import ffi
+from blink_jax.model.gemma import MLP, sum_partials
+
+MAX_TOKENS = 8      # rows per call (ffi/gemv_cuda.cu kMaxTokens)
+COLUMNS = 64          # output columns per block (ffi/gemv_cuda.cu kColumns)
+_TARGET_BLOCKS = 264  # about two blocks per SM of an H200 (132 SMs)
+_MIN_ROWS = 32        # rows of K per split: one per row group of a block
+_GROUPS = 32          # rows a block reads at once (ffi/gemv_cuda.cu kGroups)
+_MAX_SPLITS = 32      # partial sums cost T x N x 4 bytes each, written and read again
+
+
+def rows_in_flight(tokens: int) -> int:
+  """Rows of K each thread loads at once for `tokens` rows of x (ffi/gemv_cuda.cu
+  rows_in_flight)."""
+  return 8 if tokens == 1 else 4 if tokens <= 4 else 2
+
+
+def default_splits(k: int, n: int, tokens: int = 1) -> int:
+  """Splits of K: a power of two (the add + norm kernel sums a power of two of partials),
+  enough that a block's rows fit one pass of its threads' loads (every load in flight at
+  once) and that splits x N/64 blocks cover the GPU about twice; at most 32, and at least 32
+  rows of K each."""
+  one_pass = -(-k // (_GROUPS * rows_in_flight(tokens)))
+  cover = -(-_TARGET_BLOCKS // max(1, n // COLUMNS))
+  want = min(max(one_pass, cover), _MAX_SPLITS)
+  most = max(1, k // _MIN_ROWS)
+  return min(1 << (want - 1).bit_length(), 1 << (most.bit_length() - 1))
+
+
+def usable(tokens: int, k: int, n: int) -> bool:
+  """Whether a [tokens, k] x [k, n] product fits the kernel."""
+  return 1 <= tokens <= MAX_TOKENS and n % COLUMNS == 0 and k >= 1
+
+
+def kernel_available() -> bool:
+  """Whether the CUDA kernel is registered (a CUDA build of ffi/ and a GPU jax)."""
+  return "cuda" in ffi.register_targets()
+
+
+def reference_partials(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
+  """The kernel's result with jnp: the sums over each split's rows of K
+  (split s: rows [s * chunk, (s + 1) * chunk), chunk = ceil(K / splits))."""
+  k = x.shape[1]
+  chunk = -(-k // splits)
+  pad = chunk * splits - k
+  xs = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, pad))).reshape(x.shape[0], splits, chunk)
+  ws = jnp.pad(w.astype(jnp.float32), ((0, pad), (0, 0))).reshape(splits, chunk, w.shape[1])
+  return jnp.einsum("tsk,skn->stn", xs, ws, precision=jax.lax.Precision.HIGHEST)
+
+
+def partials(x: jax.Array, w: jax.Array, splits: int | None = None, *,
+             use_kernel: bool | None = None) -> jax.Array:
+  """x [T, K], w [K, N] -> partial sums [splits, T, N] float32 (their sum is x @ w).
+  use_kernel: the CUDA kernel (default: when it is registered and the default device is a
+  GPU) for bfloat16 x and w; otherwise, or for other dtypes, `reference_partials`."""
+  tokens, k = x.shape
+  n = w.shape[1]
+  if w.shape[0] != k or not usable(tokens, k, n):
+    raise ValueError(f"blink_gemv takes x [T<={MAX_TOKENS}, K] and w [K, N % {COLUMNS} == 0]; "
+                     f"got x {x.shape} and w {w.shape}")
+  splits = default_splits(k, n, tokens) if splits is None else splits
+  if not 1 <= splits <= k:
+    raise ValueError(f"splits={splits} must be in [1, K={k}]")
+  if use_kernel is None:
+    use_kernel = jax.devices()[0].platform == "gpu" and kernel_available()
+  elif use_kernel:
+    kernel_available()  # registers blink_gemv where it can (XLA names it if it could not)
+  if not use_kernel or x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:  # bf16 kernel
+    return reference_partials(x, w, splits)
+  out = jax.ShapeDtypeStruct((splits, tokens, n), jnp.float32)
+  return jax.ffi.ffi_call("blink_gemv", out)(x, w)
+
+
+def ffw_down(gate_up: jax.Array, down: jax.Array, **kw) -> jax.Array:
+  """`MLP.down_project` as partial sums [S, T, D] for the add + norm kernel: GELU(gate) x up
+  rounded to the activations' dtype (as the jnp MLP rounds it), then the down GEMV."""
+  return partials(MLP.activate(gate_up), down, **kw)
+
+
+def out_project(attn: jax.Array, o_weight: jax.Array, dtype, **kw) -> jax.Array:
+  """`Attention.out` as partial sums [S, T, D] for the add + norm kernel: the merged
+  attention output attn [T, H, h] (rounded to dtype) times o_weight [H, h, D]."""
+  n, h, d = o_weight.shape
+  flat = attn.reshape(attn.shape[0], n * h).astype(dtype)
+  return partials(flat, o_weight.reshape(n * h, d).astype(dtype), **kw)
+
+
+def matmul(x: jax.Array, w: jax.Array, **kw) -> jax.Array:
+  """x @ w in x's dtype through the GEMV's partial sums, added up by XLA (the q/k/v and the
+  gate/up projections)."""
+  return sum_partials(partials(x, w, **kw), x)

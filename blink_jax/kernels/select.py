@@ -1,0 +1,64 @@
+"""Which kernels a serving step runs: the `StepKernels` that `Gemma.forward` takes, for a step
+of a given size, from the engine's resolved `KernelOptions` (docs/ARCHITECTURE.md, "Kernels").
+
+The one place that knows how the fast kernels fit together:
+- decode-sized steps (up to `decode_rows` tokens) run the Pallas decode attention; with the
+  Pallas norm kernels too, the q/k prepare kernel hands it the query already grouped by KV
+  head and padded;
+- larger steps run the Pallas prefill attention when `prefill` is "pallas", else the
+  reference;
+- the CUDA GEMV runs the named projections of steps of up to 8 tokens; the output and down
+  projections only with the Pallas add + norm kernel, which adds up their partial sums.
+"""
+from __future__ import annotations
+
+import functools
+
+from blink_jax.engine_config import KernelOptions
+from blink_jax.kernels import cuda_gemv, pallas_attention, pallas_norm, pallas_prefill
+from blink_jax.model.gemma import StepKernels
+
+
+def step_kernels(cfg, options: KernelOptions, rows: int, *, interpret: bool) -> StepKernels:
+  """The kernels of a step of `rows` tokens. `options` must be resolved
+  (`KernelOptions.resolved`: no "auto" left). A Pallas kernel is compiled by Triton on the GPU
+  and run by Pallas' interpreter elsewhere (interpret: the engine's device decides, so a CPU
+  engine on a GPU machine interprets); the CUDA GEMV runs its jnp stand-in where it
+  interprets."""
+  if "auto" in (options.attention, options.prefill, options.norm, options.gemv):
+    raise ValueError(f"step_kernels takes resolved KernelOptions, got {options}")
+  group = cfg.num_heads // cfg.num_kv_heads
+  decode = rows <= options.decode_rows
+  pallas_norms = options.norm == "pallas"
+  kernels = {}
+  if decode and options.attention == "pallas":
+    attention = functools.partial(pallas_attention.paged_decode_attention, interpret=interpret)
+    if pallas_norms:  # the prepare kernel writes the grouped, padded query
+      kernels["attention"] = functools.partial(attention, group=group)
+      kernels["prepare"] = functools.partial(pallas_norm.prepare_qkv,
+                                             query_rows=pallas_attention.query_rows(group),
+                                             interpret=interpret)
+    else:
+      kernels["attention"] = attention
+  elif not decode and options.prefill == "pallas":
+    kernels["attention"] = functools.partial(pallas_prefill.paged_prefill_attention,
+                                             interpret=interpret)
+  if pallas_norms and "prepare" not in kernels:
+    kernels["prepare"] = functools.partial(pallas_norm.prepare_qkv, interpret=interpret)
+  sums_partials = pallas_norms and pallas_norm.usable(cfg.d_model)
+  if sums_partials:
+    kernels["add_norm"] = functools.partial(pallas_norm.add_rms_norm, interpret=interpret)
+
+  gemv = options.gemv_projections("gpu")  # resolved: the names as given
+  width, heads = cfg.d_model, cfg.num_heads * cfg.head_dim
+  qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+  use = lambda f: functools.partial(f, use_kernel=not interpret)  # noqa: E731
+  if "qkv" in gemv and cuda_gemv.usable(rows, width, qkv_width):
+    kernels["qkv_matmul"] = use(cuda_gemv.matmul)
+  if "gate_up" in gemv and cuda_gemv.usable(rows, width, 2 * cfg.ffw_hidden):
+    kernels["gate_up_matmul"] = use(cuda_gemv.matmul)
+  if sums_partials and "down" in gemv and cuda_gemv.usable(rows, cfg.ffw_hidden, width):
+    kernels["ffw_down"] = use(cuda_gemv.ffw_down)
+  if sums_partials and "out" in gemv and cuda_gemv.usable(rows, heads, width):
+    kernels["out_project"] = use(cuda_gemv.out_project)
+  return StepKernels(**kernels)

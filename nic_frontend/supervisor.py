@@ -1,0 +1,187 @@
+"""The frontend side of a running engine: the tcp relay and the frontend worker processes.
+
+`scripts/serve.py` starts an engine with its mailbox in POSIX shared memory, then a `Serving`:
+one `nic_frontend.worker` process per --workers (no JAX; all on one port through
+SO_REUSEPORT; worker w owns its own slot range and doorbell), reaching the mailbox directly
+(shm) or through a relay this process runs (tcp: what a frontend on another host, without
+RDMA, would use). `supervise` restarts a worker that died; `stop` lets the workers drain for
+up to `grace_s`, then shuts the engine down.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from blink_jax import env
+
+REPO = Path(__file__).resolve().parents[1]
+log = logging.getLogger("blink.serve")
+
+
+@dataclasses.dataclass
+class ServeOptions:
+  host: str = "127.0.0.1"
+  port: int = 8000
+  transport: str = "shm"
+  workers: int = 1
+  api_key: str | None = None
+  grace_s: float = 30.0
+  relay_host: str = "127.0.0.1"
+  relay_port: int = 0
+  max_body_bytes: int = 16 << 20
+  served_model_names: tuple[str, ...] = ()
+  run_dir: str | None = None      # ready files, metrics of several workers (default: temp)
+  start_timeout_s: float = 120.0
+
+
+class Serving:
+  """The frontend side of a running engine: the relay (tcp) and the worker processes.
+
+  `engine` is a `blink_jax.engine.Engine` whose mailbox is in named shared memory
+  (`Engine(..., shm_name=...)`); what this class uses of it: `region`, `shm_name`,
+  `mailbox_workers` (the frontend workers plus the engine's own client), `tokenizer_path`,
+  `model_name`, `stats()` and `shutdown()`, which also removes the shared memory.
+  """
+
+  def __init__(self, engine, opts: ServeOptions):
+    if opts.workers < 1:
+      raise ValueError("--workers must be at least 1")
+    self.engine, self.opts = engine, opts
+    self.region, self.shm_name = engine.region, engine.shm_name
+    if opts.transport == "shm" and not self.shm_name:
+      raise ValueError("the engine's mailbox is not in named shared memory")
+    self.procs: list[subprocess.Popen] = []
+    self.relay = None
+    self._relay_token = secrets.token_urlsafe(32)
+    self._own_run_dir = opts.run_dir is None
+    self.run_dir = Path(opts.run_dir or tempfile.mkdtemp(prefix="blink-serve-"))
+    self._metrics_dir: Path | None = None
+    self._stopping = False
+    self._lock = threading.Lock()
+
+  # ---- start ----
+  def start(self) -> None:
+    o = self.opts
+    if o.transport == "tcp":
+      from nic_frontend.transports.tcp import TcpRelayServer
+      self.relay = TcpRelayServer(self.region, token=self._relay_token,
+                                  host=o.relay_host, port=o.relay_port).start()
+      log.info("tcp relay for the mailbox on %s", self.relay.address)
+    elif o.transport != "shm":
+      raise ValueError(f"unknown transport {o.transport!r}")
+    if o.workers > 1:
+      self._metrics_dir = self.run_dir / "prometheus"
+      shutil.rmtree(self._metrics_dir, ignore_errors=True)
+      self._metrics_dir.mkdir(parents=True)
+    self.procs = [self._spawn(w) for w in range(o.workers)]
+    deadline = time.monotonic() + o.start_timeout_s
+    for w in range(o.workers):
+      self._wait_ready(w, deadline)
+    log.info("serving %s on http://%s:%d/v1 with %d frontend worker(s) (transport %s)",
+             self.engine.model_name, o.host, o.port, o.workers, o.transport)
+
+  def _ready_file(self, w: int) -> Path:
+    return self.run_dir / f"worker{w}.ready.json"
+
+  def _spawn(self, w: int) -> subprocess.Popen:
+    o = self.opts
+    ready = self._ready_file(w)
+    ready.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "nic_frontend.worker", "--transport", o.transport,
+           "--tokenizer", str(self.engine.tokenizer_path), "--model-name",
+           self.engine.model_name, "--worker", str(w), "--num-workers",
+           # The engine keeps the last slot range for its own generate() client.
+           str(self.engine.mailbox_workers),
+           "--host", o.host, "--port", str(o.port), "--grace-s", str(o.grace_s),
+           "--max-body-bytes", str(o.max_body_bytes), "--ready-file", str(ready),
+           "--parent-pid", str(os.getpid())]
+    if o.workers > 1:
+      cmd.append("--reuse-port")
+    for name in o.served_model_names:
+      cmd += ["--served-model-name", name]
+    secrets_and_dirs = {}
+    if o.transport == "shm":
+      cmd += ["--shm-name", self.shm_name]
+    else:
+      cmd += ["--relay", self.relay.address]
+      secrets_and_dirs[env.RELAY_TOKEN] = self._relay_token
+    if o.api_key:
+      secrets_and_dirs[env.API_KEY] = o.api_key
+    if self._metrics_dir is not None:
+      secrets_and_dirs[env.PROMETHEUS_MULTIPROC_DIR] = str(self._metrics_dir)
+    child_env = env.child_environment(
+        secrets_and_dirs, drop=(env.PROMETHEUS_MULTIPROC_DIR, env.API_KEY))
+    # The workers must not inherit our signal dispositions' effects on the terminal group:
+    # they get SIGTERM from us (start_new_session keeps a Ctrl-C aimed at us from reaching them
+    # before we decide how to stop them).
+    return subprocess.Popen(cmd, cwd=REPO, env=child_env, start_new_session=True)
+
+  def _wait_ready(self, w: int, deadline: float) -> None:
+    ready = self._ready_file(w)
+    while not ready.exists():
+      if self.procs[w].poll() is not None:
+        raise RuntimeError(f"frontend worker {w} exited with {self.procs[w].returncode} "
+                           "during start-up")
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"frontend worker {w} did not start in {self.opts.start_timeout_s}s")
+      time.sleep(0.02)
+    info = json.loads(ready.read_text())
+    log.info("frontend worker %d (pid %d) ready on port %d", w, info["pid"], info["port"])
+
+  # ---- run ----
+  def supervise(self, stop: threading.Event, poll_s: float = 1.0) -> None:
+    """Restarts a worker that died on its own, until `stop` is set."""
+    while not stop.wait(poll_s):
+      with self._lock:
+        if self._stopping:
+          return
+        for w, p in enumerate(self.procs):
+          if p.poll() is not None:
+            log.error("frontend worker %d exited with %s; restarting it", w, p.returncode)
+            if self._metrics_dir is not None:
+              from prometheus_client import multiprocess
+              multiprocess.mark_process_dead(p.pid, str(self._metrics_dir))
+            self.procs[w] = self._spawn(w)
+
+  # ---- stop ----
+  def stop(self) -> None:
+    """Workers drain and exit, then the engine shuts down and the shared memory goes."""
+    with self._lock:
+      if self._stopping:
+        return
+      self._stopping = True
+    for p in self.procs:
+      if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + self.opts.grace_s + 15
+    for w, p in enumerate(self.procs):
+      try:
+        p.wait(max(0.1, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        log.error("frontend worker %d did not stop; killing it", w)
+        p.kill()
+        p.wait()
+    if self.relay is not None:
+      self.relay.stop()
+    try:
+      stats = self.engine.stats()
+      log.info("engine stats at shutdown: %s", stats)
+    except Exception:  # the stats are informational
+      pass
+    self.engine.shutdown()  # the engine removes its shared memory
+    if self._own_run_dir:
+      shutil.rmtree(self.run_dir, ignore_errors=True)
+    elif self._metrics_dir is not None:
+      shutil.rmtree(self._metrics_dir, ignore_errors=True)
+    log.info("stopped")

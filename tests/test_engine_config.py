@@ -1,0 +1,76 @@
+"""The engine's one configuration: validation, keyword overrides, flags, resolution."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from absl import flags
+
+from blink_jax.engine_config import EngineConfig, KernelOptions, define_flags, from_flags
+
+
+def test_defaults_are_valid_and_frozen():
+  c = EngineConfig()
+  assert c.kernels == KernelOptions()
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    c.max_seqs = 3
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(max_seqs=0), "max_seqs must be an integer >= 1"),
+    (dict(max_seqs=True), "max_seqs must be an integer >= 1"),
+    (dict(kv_pages=-1), "kv_pages must be an integer >= 1"),
+    (dict(mode="device"), "mode must be one of"),
+    (dict(buckets=(8, 1)), "buckets must be increasing"),
+    (dict(max_context=1), "max_context must be at least 2"),
+    (dict(attention="flash"), "attention must be one of"),
+    (dict(gemv="qkv+lm_head"), "unknown projection"),
+    (dict(decode_rows=0), "decode_rows must be an integer >= 1"),
+])
+def test_bad_values_are_named(kw, match):
+  with pytest.raises(ValueError, match=match):
+    EngineConfig.from_kwargs(**kw)
+
+
+def test_unknown_option_is_refused():
+  with pytest.raises(TypeError, match="unknown engine option"):
+    EngineConfig.from_kwargs(max_seq=3)
+
+
+def test_kernel_fields_at_the_top_level_go_to_kernel_options():
+  c = EngineConfig.from_kwargs(max_seqs=16, attention="pallas", gemv="none")
+  assert c.max_seqs == 16 and c.kernels == KernelOptions(attention="pallas", gemv="none")
+  base = EngineConfig(kernels=KernelOptions(norm="reference"))
+  assert EngineConfig.from_kwargs(base, prefill="pallas").kernels == KernelOptions(
+      norm="reference", prefill="pallas")
+
+
+def test_resolved_fills_model_and_device_defaults():
+  c = EngineConfig(max_seqs=4).resolved(model_max_context=32768, platform="cpu")
+  assert (c.max_context, c.kv_pages, c.buckets, c.warm_up) == (4096, 4096 // 16 * 4,
+                                                               (1, 8, 64, 256), False)
+  assert c.kernels == KernelOptions("reference", "reference", "reference", "none")
+  g = EngineConfig(max_context=100, page_size=16).resolved(128, "gpu")
+  assert g.kv_pages == 7 * 8 and g.warm_up is True
+  assert (g.kernels.attention, g.kernels.norm, g.kernels.gemv) == ("pallas", "pallas",
+                                                                   "qkv+out+down")
+  assert KernelOptions(gemv="down+qkv").resolved("cpu").gemv == "qkv+down"
+  assert "max_seqs=4" in c.describe() and "kernels: attention=reference" in c.describe()
+
+
+def test_one_flag_per_field_and_back():
+  fv = flags.FlagValues()
+  define_flags(fv)
+  for cls in (EngineConfig, KernelOptions):
+    for f in dataclasses.fields(cls):
+      if f.name != "kernels":
+        assert f.name in fv, f.name
+  fv(["prog", "--max_seqs=16", "--fused_step", "--gemv=none", "--attention=reference",
+      "--buckets=1,8,32", "--mode=host"])
+  c = from_flags(fv)
+  assert c == EngineConfig(max_seqs=16, fused_step=True, buckets=(1, 8, 32), mode="host",
+                           kernels=KernelOptions(attention="reference", gemv="none"))
+  unset = flags.FlagValues()
+  define_flags(unset)
+  unset(["prog"])
+  assert from_flags(unset) == EngineConfig()
