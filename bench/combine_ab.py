@@ -42,7 +42,7 @@ RUN = re.compile(r"(?P<side>.+)_(?P<n>\d+)$")
 # Per benchmark: the fields that identify a row, and the metrics the table shows.
 KEYS = {
     "executor_latency": ("mode", "batch", "interference"),
-    "sched_step": ("mailbox", "lanes", "interference", "fused"),
+    "sched_step": ("mailbox", "lanes", "interference"),
     "step": ("kind", "batch", "tokens", "context"),
     "loop_overhead": ("variant", "interference"),
     "hf_reference": ("impl", "compile", "batch"),

@@ -2,10 +2,8 @@
 kernel flags (one per KernelOptions field) of the benchmarks that build an engine or executor."""
 from __future__ import annotations
 
-import ctypes
 import datetime
 import json
-import mmap
 import os
 import pathlib
 import platform
@@ -20,23 +18,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def host_buffer(nbytes: int) -> np.ndarray:
-  size = (nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-  return np.frombuffer(mmap.mmap(-1, size), np.uint8)
+  from blink_jax.native import host_memory
+  return host_memory.mapped_buffer(nbytes)
 
 
 def device_mailbox(region, nbytes: int):
   """(address the device uses, release function): host-mapped on a GPU, plain on CPU."""
   import jax
 
-  from blink_jax.native import ffi as F
+  from blink_jax.native import host_memory
   if jax.devices()[0].platform != "gpu":
     return region.address, lambda: None
-  cuda = F.cuda_library()
-  dev = ctypes.c_uint64()
-  rc = cuda.blink_cuda_register_host(region.address, nbytes, ctypes.byref(dev))
-  if rc:
-    raise RuntimeError(cuda.blink_cuda_error_string(rc).decode())
-  return dev.value, lambda: cuda.blink_cuda_unregister_host(region.address)
+  registration = host_memory.Registration(region.address, nbytes)
+  return registration.device_address, registration.release
 
 
 THRASH_C = ROOT / "bench" / "thrash.c"
@@ -149,10 +143,10 @@ def command_line() -> str:
 KERNEL_FLAGS = ("attention", "prefill", "norm", "gemv", "decode_rows")
 
 
-def define_kernel_flags(flag_values=None, fused_step: bool = True) -> None:
+def define_kernel_flags(flag_values=None) -> None:
   """One absl flag per KernelOptions field (--attention --prefill --norm --gemv
   --decode_rows), the same names and help as scripts/serve.py's, defaulting to the
-  dataclass's defaults; and --fused_step (EngineConfig.fused_step)."""
+  dataclass's defaults."""
   import dataclasses
 
   from absl import flags
@@ -167,10 +161,6 @@ def define_kernel_flags(flag_values=None, fused_step: bool = True) -> None:
       flags.DEFINE_integer(f.name, f.default, help_text, flag_values=fv)
     else:
       flags.DEFINE_string(f.name, f.default, help_text, flag_values=fv)
-  if fused_step:
-    flags.DEFINE_bool("fused_step", False, "one scheduler kernel per step (blink_step: the "
-                      "commit of a step and the schedule of the next) instead of two",
-                      flag_values=fv)
 
 
 def kernel_options(flag_values=None):

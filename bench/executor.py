@@ -7,7 +7,7 @@ token, and keeps all rings drained. The engine's threads and the interference pr
 the other cores, as a colocated host workload would.
 
   python -m bench.executor --config gemma3-1b --batches 1,64 --prompt 1024
-  python -m bench.executor --modes persistent --interference 0 --gemv none --fused_step
+  python -m bench.executor --modes persistent --interference 0 --gemv none
 
 Kernels: --attention --prefill --norm --gemv --decode_rows (KernelOptions, as scripts/serve.py's
 flags); the result records them ("kernels": asked and resolved) beside each mode's report.
@@ -43,7 +43,7 @@ def define_flags():
   flags.DEFINE_integer("page_size", 16, "KV page size")
   flags.DEFINE_list("buckets", ["1", "8", "64", "256"], "token buckets")
   flags.DEFINE_string("out", "bench/results/executor_latency.json", "JSON result file")
-  C.define_kernel_flags()  # --attention --prefill --norm --gemv --decode_rows, --fused_step
+  C.define_kernel_flags()  # --attention --prefill --norm --gemv --decode_rows
   flags.DEFINE_string("profile", None, "write a jax.profiler trace of each mode's engine, from "
                       "before its start to after its shutdown (the trace's stop waits for the "
                       "device), under this directory (<mode>_b<first batch>; "
@@ -74,7 +74,7 @@ def build_engine(mode: str, max_seqs: int):
   eng = Engine(model, None, region=region, mode=mode, max_seqs=max_seqs,
                page_size=FLAGS.page_size, max_context=ctx, num_slots=max(2 * max_seqs, 8),
                ring_capacity=64, max_top_logprobs=0, buckets=buckets, idle_poll_us=50,
-               fused_step=FLAGS.fused_step, kernels=C.kernel_options(),
+               kernels=C.kernel_options(),
                warm_up=FLAGS.warm_up == "workload",
                kv_pages=max_seqs * (-(-ctx // FLAGS.page_size)) + 8)
   eng.shm = shm
@@ -207,7 +207,7 @@ def main(argv):
   C.write_result(FLAGS.out, "executor_latency", rows,
                  {"config": FLAGS.config, "dtype": FLAGS.dtype, "prompt": FLAGS.prompt,
                   "tokens": FLAGS.tokens, "modes": reports, "cpus": len(cpus),
-                  "fused_step": FLAGS.fused_step, "warm_up": FLAGS.warm_up,
+                  "warm_up": FLAGS.warm_up,
                   "kernels": C.kernels_record(C.kernel_options(), jax.devices()[0].platform),
                   "host_min_graph_size": xla_flags.host_options()["xla_gpu_graph_min_graph_size"]})
 

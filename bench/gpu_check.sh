@@ -48,10 +48,8 @@ tests           | -                      | python3 -m pytest -m gpu ${GPU_TESTS:
 executor        | executor_latency       | python3 -m bench.executor --config gemma3-1b --prompt 1024 --tokens 128 --batches 1,64 --out "$out" $ARGS
 executor_quiet  | executor_latency_quiet | python3 -m bench.executor --config gemma3-1b --prompt 1024 --tokens 128 --batches 1,64 --modes persistent --interference 0 --out "$out" $ARGS
 executor_quiet_legacy | executor_latency_quiet | python3 scripts/bench_executor.py --config gemma3-1b --prompt 1024 --tokens 128 --batches 1,64 --modes persistent --interference 0 --out "$out" $ARGS
-executor_fused  | executor_latency_fused | python3 -m bench.executor --config gemma3-1b --prompt 1024 --tokens 128 --batches 1,64 --modes persistent --interference 0 --fused_step --out "$out" $ARGS
 executor_host   | executor_latency_host  | python3 -m bench.executor --config gemma3-1b --prompt 1024 --tokens 128 --batches 1,64 --modes host --interference 0 --out "$out" $ARGS
 sched           | sched_step             | python3 -m bench.sched --lanes 1,64,256 --slots 4096 --seconds 0.5 --repeats 3 --interference 32 --mailbox host,device --out "$out" $ARGS
-sched_fused     | sched_step_fused       | python3 -m bench.sched --fused_step --lanes 1,64,256 --slots 4096 --seconds 0.5 --repeats 3 --out "$out" $ARGS
 sched_host      | sched_step_host        | python3 -m bench.sched --lanes 1,64,256 --slots 4096 --seconds 0.5 --repeats 3 --mailbox host --out "$out" $ARGS
 sched_host_legacy | sched_step_host      | python3 scripts/bench_sched.py --lanes 1,64,256 --slots 4096 --seconds 0.5 --repeats 3 --mailbox host --out "$out" $ARGS
 step            | step                   | python3 -m bench.step --config gemma3-1b --out "$out" $ARGS
@@ -62,7 +60,7 @@ hf              | hf_reference           | python3 -m bench.hf_reference --confi
 serving         | -                      | TOKENIZER=${TOKENIZER:-.carry/tokenizer.model} bash bench/serving_suite.sh
 hlo             | -                      | python3 -m bench.diag.dump_engine_hlo --config gemma3-1b --out "$OUT/loop_hlo_1b${TAG:+_$TAG}.txt" $ARGS | grep -E "copy instructions|KV cache|loop report|^kernels \(min"; gzip -f "$OUT/loop_hlo_1b${TAG:+_$TAG}.txt"
 loop_overhead   | loop_overhead          | python3 -m bench.diag.loop_overhead --iters 20000 --repeats 2 --interference 32 --out "$out" $ARGS
-loop_bisect     | loop_bisect            | python3 -m bench.diag.loop_overhead --iters 20000 --repeats 2 --interference 32 --variants trivial,nested,ffi_s,ffi_c,ffi_sc,ffi_f,model-gemma3-1b-b1,model-gemma3-1b-b1+ffi_sc,model-gemma3-1b-b1+ffi_f --out "$out" $ARGS
+loop_bisect     | loop_bisect            | python3 -m bench.diag.loop_overhead --iters 20000 --repeats 2 --interference 32 --variants trivial,nested,ffi_s,ffi_c,ffi_sc,model-gemma3-1b-b1,model-gemma3-1b-b1+ffi_sc --out "$out" $ARGS
 model_loop      | model_loop             | python3 -m bench.diag.loop_overhead --iters 3000 --repeats 3 --interference 0 --variants model-gemma3-1b-b1,model-gemma3-1b-b8 --out "$out" $ARGS
 cmdbuf_vlog     | -                      | python3 -m bench.sched --lanes 4 --slots 64 --seconds 0.3 --repeats 1 --out "$OUT/vlog_sched.json" > "$OUT/vlog_sched.txt" 2>&1; grep -oE "(Unsupported thunk kind|lowering is not enabled|not lowered)[^\"]*" "$OUT/vlog_sched.txt" | sort | uniq -c | head -20; gzip -f "$OUT/vlog_sched.txt"
 EOF
@@ -74,8 +72,8 @@ GPU_TEST_FILES="tests/test_scheduler_backends.py tests/test_engine_gpu.py tests/
   tests/test_cuda_gemv.py"
 export GPU_TEST_FILES=$(echo $GPU_TEST_FILES)
 # Notes: executor = persistent vs host, quiet vs 2 x nproc thrashers; ARGS of the executor
-# recipes take KernelOptions flags (--attention --prefill --norm --gemv --decode_rows) and
-# --fused_step; executor_host with BLINK_HOST_MIN_GRAPH_SIZE=1 is finding 19; model_loop with
+# recipes take KernelOptions flags (--attention --prefill --norm --gemv --decode_rows);
+# executor_host with BLINK_HOST_MIN_GRAPH_SIZE=1 is finding 19; model_loop with
 # ARGS=--xla_extra=... compares XLA flags (findings 20, 38).
 declare -A RESULT CMD
 ORDER=()

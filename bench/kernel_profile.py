@@ -31,7 +31,7 @@ FLAGS = flags.FLAGS
 
 # (kind, pattern) in order: names of the kernels XLA, Pallas and ffi/ launch.
 KINDS = (
-    ("scheduler", r"schedule_kernel|commit_kernel|step_kernel|copy_words"),
+    ("scheduler", r"schedule_kernel|commit_kernel|copy_words"),
     ("attention", r"blink_paged_decode_attention|blink_paged_prefill"),
     ("attention merge", r"blink_paged_decode_merge"),
     ("add + norm", r"blink_add_rms_norm"),
@@ -41,9 +41,8 @@ KINDS = (
     ("elementwise", r"loop_|wrapped_|fusion"),
     ("memcpy/memset", r"[Mm]emcpy|[Mm]emset"),
 )
-# Kernels that run once per loop iteration: the scheduler's first (blink_schedule, or
-# blink_step when fused).
-ITERATION_KERNEL = re.compile(r"schedule_kernel|step_kernel")
+# The kernel that runs once per loop iteration: the scheduler's first (blink_schedule).
+ITERATION_KERNEL = re.compile(r"schedule_kernel")
 
 
 def kind_of(name: str) -> str:

@@ -1,12 +1,11 @@
-"""Cost of blink_schedule + blink_commit per step, inside the device loop, with no model
-(--fused_step: blink_step, the commit and the next schedule as one kernel).
+"""Cost of blink_schedule + blink_commit per step, inside the device loop, with no model.
 
 Keeps `lanes` requests decoding (one token each per step) over a mailbox of `slots` slots and
 measures the loop's per-iteration time: schedule (doorbell check, cancel/consumed reads of
 every running request, decode rows, page growth) + a stub sampler + commit (ring writes,
 stop checks). A consumer thread keeps every ring drained, as a frontend would.
 
-  python -m bench.sched --lanes 1,64,256 --slots 4096 --seconds 2 [--fused_step]
+  python -m bench.sched --lanes 1,64,256 --slots 4096 --seconds 2
 """
 from __future__ import annotations
 
@@ -33,14 +32,13 @@ flags.DEFINE_integer("slots", 4096, "mailbox slots")
 flags.DEFINE_float("seconds", 2.0, "measurement window per configuration")
 flags.DEFINE_integer("repeats", 3, "windows per configuration (median and spread reported)")
 flags.DEFINE_string("out", "bench/results/sched_step.json", "JSON result file")
-flags.DEFINE_bool("fused_step", False, "one scheduler call per step (blink_step) instead of two")
 flags.DEFINE_integer("interference", 0, "also measure with N memory-thrashing processes")
 flags.DEFINE_list("mailbox", ["host"], "where the mailbox lives: host (host-mapped shared "
                   "memory, the shm transport) and/or device (GPU memory, as an RDMA NIC writes it)")
 
 
-def _loop(cfg: F.SchedConfig, fused: bool):
-  from blink_jax.executor.loop import commit_call, schedule_call, step_call
+def _loop(cfg: F.SchedConfig):
+  from blink_jax.executor.loop import commit_call, schedule_call
 
   def outputs(words):
     """A stub sampler: token = (position * 7 + 3) % vocab for each sample (no EOS:
@@ -61,19 +59,8 @@ def _loop(cfg: F.SchedConfig, fused: bool):
     state, hist = commit_call(cfg, state, hist, pt, words, *outputs(words))
     return state, hist, pt, words[B.SHUTDOWN]
 
-  # The carry holds the scheduled batch (blink_step commits it and schedules the next) and,
-  # beside it, the shutdown word the loop tests: tested in the batch itself (which
-  # blink_step aliases in and out), XLA's CPU loop stopped after its first step.
-  def fused_body(c):
-    state, hist, pt, _, words = c
-    state, hist, pt, words = step_call(cfg, state, hist, pt, words, *outputs(words))
-    return state, hist, pt, words[B.SHUTDOWN], words
-
   def run(s, h, p):
-    if not fused:
-      return lax.while_loop(lambda c: c[3] == 0, body, (s, h, p, jnp.zeros((), jnp.int32)))
-    s, h, p, words = schedule_call(cfg, s, h, p)
-    return lax.while_loop(lambda c: c[3] == 0, fused_body, (s, h, p, words[B.SHUTDOWN], words))[:4]
+    return lax.while_loop(lambda c: c[3] == 0, body, (s, h, p, jnp.zeros((), jnp.int32)))
   return jax.jit(run, donate_argnums=(0, 1, 2))
 
 
@@ -100,7 +87,7 @@ def _drain(client: M.MailboxClient, region: M.LocalRegion, geo: P.Geometry,
 
 
 def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: int = 0,
-            mailbox: str = "host", fused: bool = False) -> dict:
+            mailbox: str = "host") -> dict:
   on_device = mailbox == "device"
   if on_device:
     # Nobody drains a GPU-memory mailbox here: rings and contexts hold the whole run.
@@ -128,7 +115,7 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: 
   if on_device:
     dev_region.upload(engine_region.buf[:geo.total_bytes])
   F.register_targets()
-  loop = _loop(cfg, fused)
+  loop = _loop(cfg)
   dev = jax.devices()[0]
   state = jax.device_put(F.initial_state(cfg), dev)
   hist = jax.device_put(np.zeros((lanes, ctx), np.int32), dev)
@@ -186,7 +173,6 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: 
                      for p in ("poll", "decode", "admit", "batch")})
   result.update(C.stats(per_iter, "us_per_step"))
   result.update(lanes=lanes, slots=slots, mailbox=mailbox, interference=interference,
-                fused=fused,
                 running=int(h1["running"]),
                 errored=int(h1["requests_errored"]), admitted=int(h1["requests_admitted"]),
                 finished=int(h1["requests_finished"]), cancelled=int(h1["requests_cancelled"]),
@@ -197,7 +183,7 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: 
 def main(argv):
   del argv
   xla_flags.configure_command_buffers()
-  rows = [measure(int(n), FLAGS.slots, FLAGS.seconds, FLAGS.repeats, lvl, mb, FLAGS.fused_step)
+  rows = [measure(int(n), FLAGS.slots, FLAGS.seconds, FLAGS.repeats, lvl, mb)
           for mb in FLAGS.mailbox for n in FLAGS.lanes
           for lvl in ([0, FLAGS.interference] if FLAGS.interference else [0])]
   print(C.table(rows, ["mailbox", "lanes", "slots", "interference", "running",

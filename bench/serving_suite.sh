@@ -3,7 +3,7 @@
 # start scripts/serve.py (random weights), run bench/serving.py over a sweep of
 # request rates, quiet and under 2 x nproc thrashing processes with the frontend pinned to its
 # own cores (SmartNIC role), plus one unpinned run; then plot everything together.
-# Usage: TOKENIZER=path/tokenizer.model [SHAPES=...] [MODES="persistent host"; also fused] [RATES=2,4,8,inf]
+# Usage: TOKENIZER=path/tokenizer.model [SHAPES=...] [MODES="persistent host"] [RATES=2,4,8,inf]
 #        [NUM_PROMPTS=48] [UNPINNED=gemma3-1b:persistent] [SLO_TTFT_MS=1000] [SLO_TPOT_MS=10]
 #        [SERVE_ARGS="--gemv none ..." (more serve.py flags, e.g. KernelOptions')]
 #        OUT=dir bash bench/serving_suite.sh
@@ -39,10 +39,8 @@ for shape in $SHAPES; do
   for mode in $MODES; do
     port=$((8100 + RANDOM % 800))
     echo "== $(date -u +%T) serve $shape $mode on :$port"
-    # Mode "fused": the persistent loop with one scheduler kernel per step.
-    if [[ $mode == fused ]]; then loop=(--mode persistent --fused_step); else loop=(--mode "$mode"); fi
     taskset -c "$ENGINE_CPUS" python3 scripts/serve.py --ckpt "random:$shape" \
-      --tokenizer "$TOKENIZER" "${loop[@]}" --port "$port" --max_seqs 64 \
+      --tokenizer "$TOKENIZER" --mode "$mode" --port "$port" --max_seqs 64 \
       --max_context 2048 --num_slots 128 ${SERVE_ARGS:-} >"$OUT/serve_${shape}_${mode}.log" 2>&1 &
     srv=$!
     for _ in $(seq 300); do

@@ -44,7 +44,7 @@ def define_flags():
   flags.DEFINE_integer("steps", 50, "steps per timed device loop")
   flags.DEFINE_integer("repeats", 3, "timed loops per point (median and spread reported)")
   flags.DEFINE_integer("page_size", 16, "KV page size")
-  C.define_kernel_flags(fused_step=False)  # --attention --prefill --norm --gemv --decode_rows
+  C.define_kernel_flags()  # --attention --prefill --norm --gemv --decode_rows
   flags.DEFINE_bool("scheduler", True, "also time schedule+commit and an empty loop iteration")
   flags.DEFINE_string("out", "bench/results/step.json", "JSON result file")
   flags.DEFINE_string("profile", None, "also trace profile_steps single decode steps per batch "

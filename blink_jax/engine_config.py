@@ -35,9 +35,10 @@ class KernelOptions:
   attention: str = _field("auto", "Paged attention of decode-sized steps (up to decode_rows "
                           "tokens): the Pallas kernel that reads KV pages in place, or the jnp "
                           "reference.", choices=KERNEL_KINDS)
-  prefill: str = _field("reference", "Attention of prefill-sized steps: the jnp reference or "
-                        "the Pallas prefill kernel (blocks of tokens read each sequence's "
-                        "pages once).", choices=KERNEL_KINDS)
+  prefill: str = _field("auto", "Attention of prefill-sized steps: the Pallas prefill kernel "
+                        "(blocks of tokens read each sequence's pages once; on the H200, 1B "
+                        "shape, a 4096-token prefill step 13.9 instead of 40.0 ms), or the "
+                        "jnp reference.", choices=KERNEL_KINDS)
   norm: str = _field("auto", "Residual add + RMSNorm pairs and each layer's q/k RMSNorm + "
                      "RoPE + cache write: one Pallas kernel each, or the jnp reference.",
                      choices=KERNEL_KINDS)
@@ -97,8 +98,6 @@ class EngineConfig:
   mode: str = _field("persistent", "persistent: the serving loop runs on the device; host: "
                      "the host drives each step (the conventional design, for comparison).",
                      choices=MODES)
-  fused_step: bool = _field(False, "One scheduler kernel per step (the commit of a step and "
-                            "the schedule of the next) instead of a schedule and a commit.")
   idle_poll_us: int = _field(200, "How long the idle loop waits between mailbox polls.")
   frontend_workers: int = _field(0, "Frontend worker processes that share the mailbox "
                                  "(slot ranges 0..N-1; the engine's own generate() is N).")

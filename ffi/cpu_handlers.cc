@@ -1,7 +1,6 @@
-// CPU XLA FFI handlers: blink_schedule, blink_commit and blink_step run the scheduler (scheduler.h) with
+// CPU XLA FFI handlers: blink_schedule and blink_commit run the scheduler (scheduler.h) with
 // the host execution policy on buffers of the executor's loop carry.
 #include <cstring>
-#include <vector>
 
 #include "handler_common.h"
 #include "scheduler.h"
@@ -50,40 +49,9 @@ ffi::Error CommitImpl(ffi::Buffer<ffi::S32> state, ffi::Buffer<ffi::S32> history
   return ffi::Error::Success();
 }
 
-ffi::Error StepImpl(ffi::Buffer<ffi::S32> state, ffi::Buffer<ffi::S32> history,
-                    ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> batch,
-                    ffi::Buffer<ffi::S32> sampled, ffi::Buffer<ffi::F32> logprobs,
-                    ffi::Buffer<ffi::S32> top_ids, ffi::Buffer<ffi::F32> top_lps,
-                    ffi::Buffer<ffi::F32> row_lps, ffi::Buffer<ffi::S32> row_top_ids,
-                    ffi::Buffer<ffi::F32> row_top_lps, ffi::ResultBuffer<ffi::S32> state_out,
-                    ffi::ResultBuffer<ffi::S32> history_out,
-                    ffi::ResultBuffer<ffi::S32> page_table_out,
-                    ffi::ResultBuffer<ffi::S32> batch_out, BlinkSchedConfig c) {
-  if (auto e = blink::CheckState(c, state); e.failure()) return e;
-  carry(state, state_out);
-  carry(history, history_out);
-  carry(page_table, page_table_out);
-  carry(batch, batch_out);
-  BlinkSched S(c, reinterpret_cast<uint8_t*>(c.mailbox), state_out->typed_data(),
-               history_out->typed_data(), page_table_out->typed_data(), batch_out->typed_data());
-  // As the CUDA step: counts of lanes that go on are published after the commit (here
-  // before the schedule).
-  thread_local std::vector<int32_t> deferred;
-  deferred.resize(size_t(BlinkSched::Deferred::words(c)));
-  const BlinkSched::Deferred d = BlinkSched::Deferred::at(deferred.data(), c);
-  const int32_t nsamples = batch_out->typed_data()[B_NUM_SAMPLES];
-  S.commit(HostExec{}, blink::StepOutputs(sampled, logprobs, top_ids, top_lps, row_lps,
-                                          row_top_ids, row_top_lps),
-           /*fused=*/true, d);
-  S.publish_deferred(HostExec{}, d, nsamples);
-  S.schedule(HostExec{});
-  return ffi::Error::Success();
-}
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BlinkScheduleCpu, ScheduleImpl,
                               blink::ScheduleBinding(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BlinkCommitCpu, CommitImpl, blink::CommitBinding(ffi::Ffi::Bind()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BlinkStepCpu, StepImpl, blink::StepBinding(ffi::Ffi::Bind()));

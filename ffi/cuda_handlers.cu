@@ -56,7 +56,7 @@ __device__ void with_hot_state(BlinkSched& S, int32_t* st, bool shared, int time
 
 // The schedule's poll words, loaded by thread i for index i (as DeviceExec::sum_then_lead
 // assigns them) before any other work: the loads cross PCIe (~1-2 us) while the kernel copies
-// its hot state and, in the fused step, commits; the schedule then reads them from registers.
+// its hot state; the schedule then reads them from registers.
 static_assert(kThreads > BLINK_MAX_WORKERS, "one poll word per thread");
 __device__ uint64_t early_poll(const BlinkSched& S) {
   return threadIdx.x <= BLINK_MAX_WORKERS ? S.poll_word(threadIdx.x) : 0;
@@ -81,36 +81,6 @@ __global__ void __launch_bounds__(kThreads, 1) commit_kernel(BlinkSchedConfig c,
   BlinkSched S(c, reinterpret_cast<uint8_t*>(c.mailbox), st, hist, pt, batch);
   with_hot_state(S, st, shared, C_COMMIT_NS, [&](BlinkSched& s) {
     s.commit(DeviceExec{scratch}, step);
-  });
-}
-
-// Commit of this step and schedule of the next in one kernel: one launch and one load/store
-// of the hot state per loop iteration instead of two. kDefer (when the deferred counts fit in
-// shared memory after the hot state): the last warp publishes the ring counts of the lanes
-// that go on while the other warps schedule, so its system fence overlaps the schedule
-// instead of one fence per warp in the commit.
-template <bool kDefer>
-__global__ void __launch_bounds__(kThreads, 1) step_kernel(BlinkSchedConfig c, int32_t* st,
-                                                        int32_t* hist, int32_t* pt,
-                                                        int32_t* batch, BlinkStepOutputs step,
-                                                        bool shared) {
-  extern __shared__ __align__(16) int32_t dyn[];
-  __shared__ int32_t scratch[kThreads / 32 + 1];
-  constexpr int kSchedThreads = kDefer ? kThreads - 32 : kThreads;
-  BlinkSched S(c, reinterpret_cast<uint8_t*>(c.mailbox), st, hist, pt, batch);
-  const uint64_t polled = early_poll(S);
-  const BlinkSched::Deferred d =
-      kDefer ? BlinkSched::Deferred::at(dyn + BlinkHotLayout(c).total, c)
-             : BlinkSched::Deferred{nullptr, nullptr};
-  with_hot_state(S, st, shared, C_COMMIT_NS, [&](BlinkSched& s) {
-    const int32_t nsamples = batch[B_NUM_SAMPLES];  // read before the schedule rewrites it
-    s.commit(DeviceExec{scratch}, step, /*fused=*/true, d);
-    __syncthreads();
-    if (kDefer && threadIdx.x >= kSchedThreads)
-      s.publish_deferred(WarpExec{}, d, nsamples);
-    else
-      s.schedule(DeviceExecT<kDefer ? kSchedThreads : 0, 1>{scratch},
-                 [&](int64_t) { return polled; });
   });
 }
 
@@ -188,32 +158,6 @@ ffi::Error CommitImpl(cudaStream_t s, ffi::Buffer<ffi::S32> state, ffi::Buffer<f
       smem > 0);
   return last_error();
 }
-ffi::Error StepImpl(cudaStream_t s, ffi::Buffer<ffi::S32> state, ffi::Buffer<ffi::S32> history,
-                    ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> batch,
-                    ffi::Buffer<ffi::S32> sampled, ffi::Buffer<ffi::F32> logprobs,
-                    ffi::Buffer<ffi::S32> top_ids, ffi::Buffer<ffi::F32> top_lps,
-                    ffi::Buffer<ffi::F32> row_lps, ffi::Buffer<ffi::S32> row_top_ids,
-                    ffi::Buffer<ffi::F32> row_top_lps, ffi::ResultBuffer<ffi::S32> state_out,
-                    ffi::ResultBuffer<ffi::S32> history_out,
-                    ffi::ResultBuffer<ffi::S32> page_table_out,
-                    ffi::ResultBuffer<ffi::S32> batch_out, BlinkSchedConfig c) {
-  if (auto e = blink::CheckState(c, state); e.failure()) return e;
-  carry(s, state, state_out);
-  carry(s, history, history_out);
-  carry(s, page_table, page_table_out);
-  carry(s, batch, batch_out);
-  int64_t smem = hot_bytes(c, state_out->untyped_data());
-  // Room for the deferred counts (slot and count per sample) after the hot state?
-  const int64_t deferred_bytes = BlinkSched::Deferred::words(c) * int64_t(sizeof(int32_t));
-  const bool defer = smem > 0 && smem + deferred_bytes <= kSharedLimit;
-  (defer ? step_kernel<true> : step_kernel<false>)<<<1, kThreads,
-                                                   defer ? smem + deferred_bytes : smem, s>>>(
-      c, state_out->typed_data(), history_out->typed_data(), page_table_out->typed_data(),
-      batch_out->typed_data(),
-      blink::StepOutputs(sampled, logprobs, top_ids, top_lps, row_lps, row_top_ids, row_top_lps),
-      smem > 0);
-  return last_error();
-}
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -224,11 +168,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     BlinkCommitCuda, CommitImpl,
     blink::CommitBinding(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
-    {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    BlinkStepCuda, StepImpl,
-    blink::StepBinding(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
     {ffi::Traits::kCmdBufferCompatible});
 
 // Host-mapped memory for the shared-memory transport: the GPU reads the mailbox in place.

@@ -84,13 +84,6 @@ struct HostExec {
     f();
   }
   void sync() const {}
-  // Publication words (f's plain stores) after payload written earlier: one release fence.
-  template <class F>
-  void publish(int64_t n, F f) const {
-    if (n <= 0) return;
-    std::atomic_thread_fence(std::memory_order_release);
-    for (int64_t i = 0; i < n; ++i) f(i);
-  }
   // Makes the relaxed loads of the last sum_then_lead acquire loads.
   void acquire_reads(int64_t) const { std::atomic_thread_fence(std::memory_order_acquire); }
   // out[i] = sum of value(j) for j < i; returns the total.
@@ -123,35 +116,20 @@ struct HostExec {
 };
 
 #ifdef __CUDACC__
-// Threads [0, nt()) of one thread block run the scheduler: the whole block (kUsed 0,
-// __syncthreads), or its first kUsed threads (a multiple of 32) on hardware barrier
-// kBarrier while the block's last warps do other work. `scratch` is shared memory of at
-// least nt() / 32 ints. Compile-time parameters: the whole-block kernels' code is unchanged.
-template <int kUsed = 0, int kBarrier = 0>
-struct DeviceExecT {
+// One thread block (a multiple of 32 threads) runs the scheduler. `scratch` is shared memory
+// of at least blockDim.x / 32 ints.
+struct DeviceExec {
   int32_t* scratch;
 
-  __device__ unsigned nt() const {
-    if constexpr (kUsed == 0)
-      return blockDim.x;
-    else
-      return unsigned(kUsed);
-  }
-  __device__ void bar() const {
-    if constexpr (kUsed == 0)
-      __syncthreads();
-    else
-      asm volatile("bar.sync %0, %1;" ::"n"(kBarrier), "n"(kUsed) : "memory");
-  }
   template <class F>
   __device__ void parallel(int64_t n, F f) const {
-    for (int64_t i = threadIdx.x; i < n; i += nt()) f(i);
-    bar();
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) f(i);
+    __syncthreads();
   }
   template <class F>
   __device__ void serial(F f) const {
     if (threadIdx.x == 0) f();
-    bar();
+    __syncthreads();
   }
   // Thread 0 alone runs f, with no barrier after it (for its own bookkeeping: the phase
   // timers, which only the device build keeps).
@@ -159,7 +137,7 @@ struct DeviceExecT {
   __device__ void lead(F f) const {
     if (threadIdx.x == 0) f();
   }
-  __device__ void sync() const { bar(); }
+  __device__ void sync() const { __syncthreads(); }
   // Makes the relaxed loads that the last sum_then_lead over n indices ran (thread i loaded
   // index i) acquire loads: a fence by each of those threads; the next barrier orders the
   // rest of the block after it.
@@ -170,9 +148,9 @@ struct DeviceExecT {
   // shared memory needs two per doubling).
   template <class F>
   __device__ int32_t exclusive_scan(int64_t n, F value, int32_t* out) const {
-    const int t = threadIdx.x, threads = int(nt()), ln = t & 31, warp = t >> 5;
-    const int nwarps = (threads + 31) >> 5;
-    const int64_t chunk = (n + threads - 1) / threads, lo = t * chunk;
+    const int t = threadIdx.x, nt = blockDim.x, ln = t & 31, warp = t >> 5;
+    const int nwarps = (nt + 31) >> 5;
+    const int64_t chunk = (n + nt - 1) / nt, lo = t * chunk;
     const int64_t hi = lo + chunk < n ? lo + chunk : n;
     int32_t local = 0;
     for (int64_t i = lo; i < hi; ++i) local += value(i);
@@ -182,7 +160,7 @@ struct DeviceExecT {
       if (ln >= o) incl += u;
     }
     if (ln == 31) scratch[warp] = incl;
-    bar();
+    __syncthreads();
     if (warp == 0) {
       int32_t w = ln < nwarps ? scratch[ln] : 0;
       for (int o = 1; o < 32; o <<= 1) {
@@ -191,14 +169,14 @@ struct DeviceExecT {
       }
       if (ln < nwarps) scratch[ln] = w;  // inclusive prefix of warp totals
     }
-    bar();
+    __syncthreads();
     int32_t acc = incl - local + (warp > 0 ? scratch[warp - 1] : 0);
     for (int64_t i = lo; i < hi; ++i) {
       out[i] = acc;
       acc += value(i);
     }
     int32_t total = scratch[nwarps - 1];
-    bar();
+    __syncthreads();
     return total;
   }
   // A warp-shuffle reduction and one barrier, then thread 0 runs f(total) and a second
@@ -206,16 +184,16 @@ struct DeviceExecT {
   template <class V, class F>
   __device__ void sum_then_lead(int64_t n, V value, F f) const {
     uint32_t local = 0;
-    for (int64_t i = threadIdx.x; i < n; i += nt()) local += value(i);
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) local += value(i);
     for (int o = 16; o > 0; o >>= 1) local += __shfl_down_sync(0xffffffffu, local, o);
     if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = int32_t(local);
-    bar();
+    __syncthreads();
     if (threadIdx.x == 0) {
       uint32_t total = 0;
-      for (int w = 0; w < int(nt() + 31) >> 5; ++w) total += uint32_t(scratch[w]);
+      for (int w = 0; w < int(blockDim.x + 31) >> 5; ++w) total += uint32_t(scratch[w]);
       f(total);
     }
-    bar();
+    __syncthreads();
   }
   __device__ static uint64_t now_ns() {
     uint64_t t;
@@ -224,20 +202,6 @@ struct DeviceExecT {
   }
   __device__ static void backoff(uint32_t attempt) {
     __nanosleep(attempt < 64 ? 100 : 1000);
-  }
-};
-
-using DeviceExec = DeviceExecT<>;
-
-// One warp on its own (beside a DeviceExecT of the rest of the block): publishes words after
-// payload that the block wrote before their last common barrier. One system-scope fence per
-// warp is cumulative over those writes; the stores then need no fence of their own.
-struct WarpExec {
-  template <class F>
-  __device__ void publish(int64_t n, F f) const {
-    if (n <= 0) return;
-    asm volatile("fence.acq_rel.sys;" ::: "memory");
-    for (int64_t i = threadIdx.x & 31; i < n; i += 32) f(i);
   }
 };
 #endif

@@ -40,11 +40,11 @@ auto ScheduleBinding(B b) {
       .template Attrs<BlinkSchedConfig>();
 }
 
-// The arguments of blink_commit and blink_step: state, history, page_table, batch, sampled,
-// logprobs, top_ids, top_logprobs, row_logprobs, row_top_ids, row_top_logprobs
-// (per sample: max_seqs rows; per batch row: token_budget rows; see BlinkStepOutputs).
+// blink_commit(state, history, page_table, batch, sampled, logprobs, top_ids, top_logprobs,
+//              row_logprobs, row_top_ids, row_top_logprobs) -> (state, history)
+// (per sample: max_seqs rows; per batch row: token_budget rows; see BlinkStepOutputs)
 template <class B>
-auto CommitArgs(B&& b) {
+auto CommitBinding(B b) {
   using ::xla::ffi::Buffer;
   using ::xla::ffi::F32;
   using ::xla::ffi::S32;
@@ -58,30 +58,7 @@ auto CommitArgs(B&& b) {
       .template Arg<Buffer<F32>>()
       .template Arg<Buffer<F32>>()
       .template Arg<Buffer<S32>>()
-      .template Arg<Buffer<F32>>();
-}
-
-// blink_commit(<CommitArgs>) -> (state, history)
-template <class B>
-auto CommitBinding(B b) {
-  using ::xla::ffi::Buffer;
-  using ::xla::ffi::S32;
-  return CommitArgs(std::move(b))
-      .template Ret<Buffer<S32>>()
-      .template Ret<Buffer<S32>>()
-      .template Attrs<BlinkSchedConfig>();
-}
-
-// blink_step = blink_commit of this step, then blink_schedule of the next, in one call:
-// blink_step(<CommitArgs>) -> (state, history, page_table, batch)
-// (batch in: this step's descriptor; batch out: the next step's, written after commit read it)
-template <class B>
-auto StepBinding(B b) {
-  using ::xla::ffi::Buffer;
-  using ::xla::ffi::S32;
-  return CommitArgs(std::move(b))
-      .template Ret<Buffer<S32>>()
-      .template Ret<Buffer<S32>>()
+      .template Arg<Buffer<F32>>()
       .template Ret<Buffer<S32>>()
       .template Ret<Buffer<S32>>()
       .template Attrs<BlinkSchedConfig>();

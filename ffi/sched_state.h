@@ -95,7 +95,7 @@ enum BlinkCounter {
   C_CANCELLED,
   C_PREEMPTIONS,
   C_SCHEDULE_NS,   // device time inside the schedule kernel (CUDA handlers only)
-  C_COMMIT_NS,     // device time inside the commit (or fused step) kernel (CUDA handlers only)
+  C_COMMIT_NS,     // device time inside the commit kernel (CUDA handlers only)
   // Time inside schedule by phase (not published; benchmarks read them from the state):
   C_SCHED_POLL_NS,    // doorbells, slot scan, lane checks, release of finished lanes
   C_SCHED_DECODE_NS,  // one row per decode-ready lane
@@ -135,7 +135,6 @@ enum BlinkLaneField {
   L_BAD,           // prompt copy found an invalid token id
   L_TMP,
   L_PLP_DONE,      // prompt-logprob entries written (= prompt positions 1..L_PLP_DONE)
-  L_PUBLISH_STEP,  // fused step: loop iteration whose schedule publishes the lane's count
   L_NUM_FIELDS
 };
 

@@ -703,10 +703,6 @@ struct BlinkSched {
         region(lay.free_pages)[free_top + poff[l] + p] = pt(l, p);
       region(lay.free_lanes)[lane_top + loff[l]] = int32_t(l);
       uint8_t* o = out(lane(L_SLOT, l));
-      // A count whose publication this step deferred goes out before the finish (the
-      // deferred store may land later: it writes the same value).
-      if (lane(L_PUBLISH_STEP, l) == int32_t(counter(C_LOOP_ITERATIONS)))
-        blink_store_release<uint32_t>(o + OUT_OFF(count), uint32_t(lane(L_OUT_COUNT, l)));
       blink_store<uint32_t>(o + OUT_OFF(finish_reason), uint32_t(lane(L_FINISH, l)));
       blink_store<uint32_t>(o + OUT_OFF(error_code), uint32_t(lane(L_ERROR, l)));
       blink_store_release<uint32_t>(o + OUT_OFF(finished_seq), uint32_t(lane(L_SEQ, l)));
@@ -793,35 +789,10 @@ struct BlinkSched {
     });
   }
 
-  // Ring counts a fused commit deferred: for sample i, the slot (-1: none) and the count
-  // (two arrays of max_seqs; none when slots is null).
-  struct Deferred {
-    int32_t* slots;
-    int32_t* counts;
-    // Words the two lists take, and the lists laid out from `p`.
-    static BLINK_HD int64_t words(const BlinkSchedConfig& c) { return 2 * c.max_seqs; }
-    static BLINK_HD Deferred at(int32_t* p, const BlinkSchedConfig& c) {
-      return {p, p + c.max_seqs};
-    }
-  };
-
-  // Publishes the counts a fused commit deferred (after the barrier that ended the commit).
+  // Appends the sampled tokens, checks stop conditions, frees finished requests, publishes
+  // the header's counters.
   template <class X>
-  BLINK_HD void publish_deferred(const X& x, const Deferred& d, int64_t n) const {
-    x.publish(n, [&](int64_t i) {
-      if (d.slots[i] >= 0)
-        blink_store<uint32_t>(out(d.slots[i]) + OUT_OFF(count), uint32_t(d.counts[i]));
-    });
-  }
-
-  // Appends the sampled tokens, checks stop conditions, frees finished requests. The fused
-  // step (`fused`) leaves the header's counters to the schedule that follows (15 fewer writes
-  // across PCIe) and, given `defer`, the counts of the lanes that go on to publish_deferred,
-  // which one warp runs beside the schedule: its system fence then overlaps the schedule
-  // instead of a fence per warp here.
-  template <class X>
-  BLINK_HD void commit(const X& x, const BlinkStepOutputs& step, bool fused = false,
-                       Deferred defer = {nullptr, nullptr}) const {
+  BLINK_HD void commit(const X& x, const BlinkStepOutputs& step) const {
     const int32_t* sampled = step.sampled;
     const float *logprobs = step.logprobs, *top_lps = step.top_lps;
     const int32_t* top_ids = step.top_ids;
@@ -838,7 +809,6 @@ struct BlinkSched {
       }
       if (i >= nsamples) return;
       int32_t l = sample_array(BS_LANES)[i];
-      if (defer.slots) defer.slots[i] = -1;
       if (l < 0) return;
       int32_t t = sampled[i];
       if (t < 0 || t >= c.vocab_size) t = 0;  // cannot happen with a sane sampler
@@ -865,13 +835,7 @@ struct BlinkSched {
         lane(L_FINISH, l) = finish;
         s(S_ANY_FINISH) = 1;
       }
-      if (defer.slots && finish == BLINK_FINISH_NONE) {
-        defer.slots[i] = lane(L_SLOT, l);
-        defer.counts[i] = int32_t(e + 1);
-        lane(L_PUBLISH_STEP, l) = int32_t(counter(C_LOOP_ITERATIONS) + 1);  // next schedule
-      } else {
-        blink_store_release<uint32_t>(o + OUT_OFF(count), e + 1);
-      }
+      blink_store_release<uint32_t>(o + OUT_OFF(count), e + 1);
     });
     if (s(S_ANY_FINISH)) release_finished(x);
     x.serial([&] {
@@ -879,7 +843,7 @@ struct BlinkSched {
       counter(C_TOKENS_GENERATED) += uint64_t(nsamples);
       counter(C_PROMPT_TOKENS) += uint64_t(s(S_PROMPT_ROWS));
       s(S_PROMPT_ROWS) = 0;
-      if (!fused) publish_counters();
+      publish_counters();
     });
   }
 #undef REQ_OFF

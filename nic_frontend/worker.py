@@ -64,7 +64,7 @@ def _write_ready(path: str, info: dict) -> None:
 async def serve(args: argparse.Namespace) -> int:
   from blink_jax import env
   from blink_jax.client.tokenizer import Tokenizer
-  from nic_frontend import server as S
+  from nic_frontend import server
   from nic_frontend.transports import open_transport
 
   token = env.relay_token()
@@ -72,13 +72,14 @@ async def serve(args: argparse.Namespace) -> int:
                           token=token)
   tokenizer = Tokenizer(args.tokenizer)
   api_key = args.api_key if args.api_key is not None else env.api_key()
-  cfg = S.FrontendConfig(model_name=args.model_name,
+  cfg = server.FrontendConfig(model_name=args.model_name,
                          served_model_names=tuple(args.served_model_name), worker=args.worker,
                          num_workers=args.num_workers, api_key=api_key or None,
                          max_body_bytes=args.max_body_bytes)
-  app = S.create_app(region, tokenizer, cfg)
-  fe = app[S.FRONTEND_KEY]
-  runner, site, port = await S.start_site(app, args.host, args.port, reuse_port=args.reuse_port)
+  app = server.create_app(region, tokenizer, cfg)
+  fe = app[server.FRONTEND_KEY]
+  runner, site, port = await server.start_site(app, args.host, args.port,
+                                               reuse_port=args.reuse_port)
   log.info("frontend worker %d/%s listening on http://%s:%d (transport %s, model %s%s)",
            args.worker, args.num_workers or "header", args.host, port, args.transport,
            args.model_name, ", api key required" if api_key else "")

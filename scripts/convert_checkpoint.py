@@ -14,8 +14,8 @@ from blink_jax.weights.convert import SOURCES, convert
 SOURCE = flags.DEFINE_enum("source", None, list(SOURCES), "Format of --input.")
 INPUT = flags.DEFINE_string("input", None, "GGUF file, HF directory or orbax directory.")
 OUTPUT = flags.DEFINE_string("output", None, "Checkpoint directory to create.")
-CONFIG = flags.DEFINE_string("config", None, "Config name (blink_jax.model.config.CONFIGS) for what "
-                             "the source does not state; default: inferred from the weights.")
+CONFIG = flags.DEFINE_string("config", None, "Config name (blink_jax.model.config.CONFIGS) "
+                             "for what the source does not state; default: inferred from the weights.")
 TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.model to use instead of / in the "
                                 "absence of the source's own.")
 FLAGS = flags.FLAGS

@@ -52,9 +52,9 @@ def test_cpu_run_writes_rows_for_every_mode_and_batch(tmp_path):
   assert res["modes"]["persistent"]["loop_report"]["device_while"] is False  # CPU
   # The kernels are flags (KernelOptions), recorded as asked and as resolved on the CPU; no
   # BLINK_* environment is dumped.
-  assert res["kernels"]["asked"] == {"attention": "auto", "prefill": "reference", "norm": "auto",
+  assert res["kernels"]["asked"] == {"attention": "auto", "prefill": "auto", "norm": "auto",
                                      "gemv": "none", "decode_rows": 8}
   assert res["kernels"]["resolved"]["attention"] == "reference"
   assert res["modes"]["persistent"]["kernels"]["gemv"] == "none"
-  assert "blink_env" not in res and res["fused_step"] is False
+  assert "blink_env" not in res
   assert res["command"].startswith("python -m bench.executor --config tiny")

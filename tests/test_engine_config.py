@@ -52,8 +52,8 @@ def test_resolved_fills_model_and_device_defaults():
   assert c.kernels == KernelOptions("reference", "reference", "reference", "none")
   g = EngineConfig(max_context=100, page_size=16).resolved(128, "gpu")
   assert g.kv_pages == 7 * 8 and g.warm_up is True
-  assert (g.kernels.attention, g.kernels.norm, g.kernels.gemv) == ("pallas", "pallas",
-                                                                   "qkv+out+down")
+  assert (g.kernels.attention, g.kernels.prefill, g.kernels.norm, g.kernels.gemv) == (
+      "pallas", "pallas", "pallas", "qkv+out+down")
   assert KernelOptions(gemv="down+qkv").resolved("cpu").gemv == "qkv+down"
   assert "max_seqs=4" in c.describe() and "kernels: attention=reference" in c.describe()
 
@@ -65,10 +65,10 @@ def test_one_flag_per_field_and_back():
     for f in dataclasses.fields(cls):
       if f.name != "kernels":
         assert f.name in fv, f.name
-  fv(["prog", "--max_seqs=16", "--fused_step", "--gemv=none", "--attention=reference",
+  fv(["prog", "--max_seqs=16", "--warm_up", "--gemv=none", "--attention=reference",
       "--buckets=1,8,32", "--mode=host"])
   c = from_flags(fv)
-  assert c == EngineConfig(max_seqs=16, fused_step=True, buckets=(1, 8, 32), mode="host",
+  assert c == EngineConfig(max_seqs=16, warm_up=True, buckets=(1, 8, 32), mode="host",
                            kernels=KernelOptions(attention="reference", gemv="none"))
   unset = flags.FlagValues()
   define_flags(unset)

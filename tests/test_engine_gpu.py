@@ -26,11 +26,11 @@ KW = dict(max_seqs=4, page_size=4, max_context=128, num_slots=16, ring_capacity=
           buckets=(4, 16, 64), max_top_logprobs=3, idle_poll_us=50)
 
 
-@pytest.mark.parametrize("mode,fused,attention,norm", [
-    ("persistent", False, "reference", "reference"), ("host", False, "reference", "reference"),
-    ("persistent", True, "reference", "reference"), ("persistent", False, "pallas", "reference"),
-    ("host", False, "pallas", "reference"), ("persistent", False, "pallas", "pallas")])
-def test_gpu_tokens_equal_cpu_tokens(mode, fused, attention, norm):
+@pytest.mark.parametrize("mode,attention,norm", [
+    ("persistent", "reference", "reference"), ("host", "reference", "reference"),
+    ("persistent", "pallas", "reference"), ("host", "pallas", "reference"),
+    ("persistent", "pallas", "pallas")])
+def test_gpu_tokens_equal_cpu_tokens(mode, attention, norm):
   cfg = tiny_config("gemma3", vocab_size=512, num_layers=6)
   rng = np.random.default_rng(1)
   prompts = [[int(t) for t in rng.integers(3, 512, n)] for n in (1, 7, 30, 100, 5, 64)]
@@ -39,8 +39,8 @@ def test_gpu_tokens_equal_cpu_tokens(mode, fused, attention, norm):
   for dev in (jax.devices("cpu")[0], _gpus()[0]):
     with jax.default_device(dev):
       model = Gemma(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
-    with Engine(model, None, mode=mode, device=dev, fused_step=fused, attention=attention,
-                norm=norm, **KW) as eng:
+    with Engine(model, None, mode=mode, device=dev, attention=attention, norm=norm,
+                **KW) as eng:
       outs[dev.platform] = eng.generate(prompt_token_ids=prompts, sampling=sp)
       if dev.platform == "gpu" and mode == "persistent":
         print("loop report:", eng.loop_report)

@@ -11,10 +11,7 @@ from blink_jax.native import host_memory
 
 
 class XlaScheduler:
-  """fused: each commit is held until the next schedule() and run with it as one blink_step
-  call, as the engine's fused loop does."""
-
-  def __init__(self, cfg: F.SchedConfig, device: jax.Device, region=None, fused: bool = False):
+  def __init__(self, cfg: F.SchedConfig, device: jax.Device, region=None):
     F.register_targets()
     self.device = device
     self.registered = None
@@ -30,31 +27,15 @@ class XlaScheduler:
     self._sched = jax.jit(lambda s, h, p: X.schedule_call(cfg, s, h, p), donate_argnums=(0, 1, 2))
     self._commit = jax.jit(lambda s, h, p, w, *outs: X.commit_call(cfg, s, h, p, w, *outs),
                            donate_argnums=(0, 1))
-    self._step = jax.jit(lambda s, h, p, w, *outs: X.step_call(cfg, s, h, p, w, *outs),
-                         donate_argnums=(0, 1, 2, 3))
-    self.fused = fused
-    self._held = None  # the outputs of a commit that waits for the next schedule (fused)
 
   @property
   def page_table(self):
     return np.asarray(self._pt)
 
   def schedule(self):
-    if self._held is not None:
-      outs, self._held = self._held, None
-      self.state, self.history, self._pt, self._words = self._step(
-          self.state, self.history, self._pt, self._words, *outs)
-    else:
-      self.state, self.history, self._pt, self._words = self._sched(self.state, self.history,
-                                                                    self._pt)
+    self.state, self.history, self._pt, self._words = self._sched(self.state, self.history,
+                                                                  self._pt)
     return np.asarray(self._words)
-
-  def _flush(self):
-    """Runs a held commit on its own (before the state is read)."""
-    if self._held is not None:
-      outs, self._held = self._held, None
-      self.state, self.history = self._commit(self.state, self.history, self._pt, self._words,
-                                              *outs)
 
   def commit(self, sampled, logprobs, top_ids, top_lps, row_lps=None, row_top_ids=None,
              row_top_lps=None):
@@ -67,16 +48,13 @@ class XlaScheduler:
             put(np.asarray(top_ids, np.int32)), put(np.asarray(top_lps, np.float32)),
             put(np.asarray(row_lps, np.float32)), put(np.asarray(row_top_ids, np.int32)),
             put(np.asarray(row_top_lps, np.float32)))
-    self._held = outs
-    if not self.fused:
-      self._flush()
+    self.state, self.history = self._commit(self.state, self.history, self._pt, self._words,
+                                            *outs)
 
   def summary(self):
-    self._flush()
     return F.summarize(self.cfg, np.asarray(self.state))
 
   def close(self):
-    self._flush()
     if self.registered is not None:
       jax.block_until_ready(self.state)
       self.registered.release()

@@ -21,7 +21,7 @@ FLAGS = flags.FLAGS
 def define_flags():
   flags.DEFINE_string("config", "gemma3-270m", "model config name, or 'tiny'")
   flags.DEFINE_string("out", "/tmp/loop_hlo.txt", "HLO text file")
-  C.define_kernel_flags()  # --attention --prefill --norm --gemv --decode_rows, --fused_step
+  C.define_kernel_flags()  # --attention --prefill --norm --gemv --decode_rows
 
 
 def main(argv):
@@ -37,7 +37,7 @@ def main(argv):
   model = Gemma(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   with Engine(model, None, max_seqs=64, max_context=min(1216, cfg.max_context), page_size=16,
               num_slots=128, buckets=(1, 8, 64), max_top_logprobs=0,
-              fused_step=FLAGS.fused_step, kernels=C.kernel_options()) as eng:
+              kernels=C.kernel_options()) as eng:
     text = eng.compiled.as_text()
     print("loop report", eng.loop_report)
   with open(FLAGS.out, "w") as f:

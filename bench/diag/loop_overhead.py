@@ -23,7 +23,7 @@ flags.DEFINE_integer("iters", 20000, "loop iterations per measurement")
 flags.DEFINE_integer("interference", 32, "thrashing processes")
 flags.DEFINE_integer("repeats", 3, "measurements per variant and level")
 flags.DEFINE_list("variants", ["trivial", "kernels20", "switch", "ffi_s", "ffi_sc", "ffi_c",
-                                "ffi_ss", "ffi_cc", "ffi_sc_top1", "ffi_f"],
+                                "ffi_ss", "ffi_cc", "ffi_sc_top1"],
                   "loops to measure")
 flags.DEFINE_string("out", "bench/results/loop_overhead.json", "JSON result file")
 flags.DEFINE_string("dump_hlo", None, "write each variant's optimized HLO into this folder")

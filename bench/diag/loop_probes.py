@@ -20,13 +20,12 @@ from bench import common as C
 
 
 def _sched_loop(calls: str, top: int = 0):
-  """A loop over scheduler calls ('s' schedule, 'c' commit, 'f' the fused blink_step, in
-  order) on an empty mailbox
-  in GPU memory; `top` columns of top-logprob inputs to commit."""
+  """A loop over scheduler calls ('s' schedule, 'c' commit, in order) on an empty mailbox in
+  GPU memory; `top` columns of top-logprob inputs to commit."""
   from blink_jax.native import ffi as F
   from blink_jax.client import protocol as P
   from blink_jax.native.device_region import DeviceRegion
-  from blink_jax.executor.loop import commit_call, schedule_call, step_call
+  from blink_jax.executor.loop import commit_call, schedule_call
   geo = P.Geometry(64, 16, 64, top)
   region = DeviceRegion(geo.total_bytes)
   cfg = F.SchedConfig.build(
@@ -40,18 +39,14 @@ def _sched_loop(calls: str, top: int = 0):
     for k in calls:
       if k == "s":
         state, hist, pt, words = schedule_call(cfg, state, hist, pt)
-      elif k == "f":
-        lp = lax.bitcast_convert_type(words[:64], jnp.float32)
-        tid = jnp.broadcast_to(words[:64, None], (64, top))
-        tlp = lax.bitcast_convert_type(tid, jnp.float32)
-        state, hist, pt, words = step_call(cfg, state, hist, pt, words, words[:64], lp, tid,
-                                           tlp, lp, tid, tlp)
-      else:
+      elif k == "c":
         lp = lax.bitcast_convert_type(words[:64], jnp.float32)
         tid = jnp.broadcast_to(words[:64, None], (64, top))
         tlp = lax.bitcast_convert_type(tid, jnp.float32)
         state, hist = commit_call(cfg, state, hist, pt, words, words[:64], lp, tid, tlp,
                                   lp, tid, tlp)  # token_budget == max_seqs == 64 here
+      else:
+        raise ValueError(f"unknown scheduler call {k!r} (s: schedule, c: commit)")
     return i + 1, state, hist, pt, words
 
   args = (jnp.asarray(F.initial_state(cfg)), jnp.zeros((64, 4096), jnp.int32),
@@ -149,7 +144,7 @@ def variant(name: str):
   """(body over (i, *rest), rest, keepalive, index in rest of the scheduler state or None).
 
   Names: trivial, kernels20, swap, switch; ffi_<calls>[_top<k>] (scheduler calls, e.g.
-  ffi_sc, ffi_c, ffi_f); model-<config>-b<batch> (decode steps); and `a+b` for a loop whose
+  ffi_sc, ffi_c); model-<config>-b<batch> (decode steps); and `a+b` for a loop whose
   body runs both (e.g. model-gemma3-1b-b1+ffi_sc: which of the two interference reaches)."""
   if name.startswith("cond-"):  # the probe's body inside a two-way branch (as the engine's
     return _in_cond(variant(name[len("cond-"):]))  # model sits inside its bucket switch)

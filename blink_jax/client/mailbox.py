@@ -52,7 +52,8 @@ def init_header(region: Region, geo: protocol.Geometry, *, vocab_size: int, max_
                 num_workers: int, eos_id: int) -> None:
   """Writes a fresh header (engine side, before READY)."""
   h = np.zeros((), protocol.HEADER_DTYPE)
-  h["magic"], h["version"], h["header_bytes"] = protocol.MAGIC, protocol.VERSION, protocol.HEADER_BYTES
+  h["magic"], h["version"] = protocol.MAGIC, protocol.VERSION
+  h["header_bytes"] = protocol.HEADER_BYTES
   h["num_slots"], h["max_prompt"] = geo.num_slots, geo.max_prompt
   h["ring_capacity"], h["max_top_logprobs"] = geo.ring_capacity, geo.max_top_logprobs
   h["request_bytes"], h["output_bytes"] = geo.request_bytes, geo.output_bytes

@@ -1,7 +1,7 @@
 """Output text of a request: incremental detokenization and stop strings with hold-back.
 
-A slot's output ring yields token ids in batches (`blink_jax.client.mailbox.Output`). `ChoiceDecoder`
-turns each batch into the text that may be sent now:
+A slot's output ring yields token ids in batches (`blink_jax.client.mailbox.Output`).
+`ChoiceDecoder` turns each batch into the text that may be sent now:
 
 * the incremental detokenizer never emits part of a UTF-8 character (byte-fallback tokens are
   held until the character is complete);
@@ -88,7 +88,8 @@ class DeviceError(Exception):
   def __init__(self, finish: protocol.Finish, error: protocol.Error):
     self.finish, self.error = finish, error
     if finish == protocol.Finish.ERROR:
-      msg = protocol.ERROR_MESSAGES.get(error, f"request rejected by the engine (error {int(error)})")
+      msg = protocol.ERROR_MESSAGES.get(
+          error, f"request rejected by the engine (error {int(error)})")
     else:
       msg = "the request was cancelled by the engine"
     super().__init__(msg)
@@ -131,7 +132,8 @@ class ChoiceDecoder:
 
   def feed(self, tokens: Sequence[int], logprobs: Sequence[float] = (),
            top: Sequence = (), finished: bool = False,
-           finish: protocol.Finish = protocol.Finish.NONE, error: protocol.Error = protocol.Error.NONE) -> Piece:
+           finish: protocol.Finish = protocol.Finish.NONE,
+           error: protocol.Error = protocol.Error.NONE) -> Piece:
     """Adds a batch of output (and its finish, if the device finished the request)."""
     if self.done:
       return Piece("", [], [], [], None)

@@ -200,7 +200,7 @@ class Engine:
           page_size=c.page_size, num_pages=c.kv_pages, buckets=c.buckets,
           eos_ids=self.eos_ids, idle_poll_us=c.idle_poll_us)
       self.executor = Executor(model, self.sched, max_top_logprobs=c.max_top_logprobs,
-                               device=self.device, fused_step=c.fused_step,
+                               device=self.device,
                                kernels=asked.kernels)  # "auto" kept: it may fall back
       log.info("engine: model %s (%s, %d layers), dtype %s, device %s", model_name, cfg.name,
                cfg.num_layers, self.dtype, self.device)
@@ -491,6 +491,8 @@ class Engine:
       t.t_first = now
     t.preemptions = out.preemptions
     if t.reason is not None:  # stopped by a stop string; the device is finishing the cancel
+      if out.finished:
+        t.events.put(StreamDelta("", [], t.reason))
       return
     if out.finished:
       t.t_done = now
@@ -507,11 +509,15 @@ class Engine:
       if piece.text or piece.tokens:
         t.events.put(StreamDelta(piece.text, piece.tokens))
       t.reason = piece.finish_reason
-    if t.reason is not None:
-      if not out.finished and not t.cancel_sent:  # a stop string ended it before the device
+    if t.reason is not None and not out.finished:
+      # A stop string ended it before the device did: cancel, and finish the caller's request
+      # once the device has released the slot and its pages (the next poll that sees it).
+      if not t.cancel_sent:
         self.client.cancel(t.slot)
         t.cancel_sent = True
         t.t_done = now
+      return
+    if t.reason is not None:
       t.events.put(StreamDelta("", [], t.reason))
 
   def _collect(self, t: _Tracked) -> RequestOutput:

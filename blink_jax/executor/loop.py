@@ -41,11 +41,10 @@ class Carry:
   page_table: jax.Array  # [max_seqs, max_pages_per_seq]
   kv: list               # per layer kv_pages (keys, then values)
   shutdown: jax.Array    # int32 scalar: the last schedule saw the shutdown word
-  words: jax.Array       # the batch the next step runs (fused steps; unused when split)
 
 
 jax.tree_util.register_dataclass(Carry, data_fields=["state", "history", "page_table", "kv",
-                                                     "shutdown", "words"], meta_fields=[])
+                                                     "shutdown"], meta_fields=[])
 
 
 # The FFI calls read and write the mailbox but are not marked side-effecting: every result is
@@ -60,17 +59,6 @@ def schedule_call(cfg: ffi.SchedConfig, state, history, page_table):
          jax.ShapeDtypeStruct((ffi.batch_words(cfg),), jnp.int32))
   return jax.ffi.ffi_call("blink_schedule", out, input_output_aliases={0: 0, 1: 1, 2: 2})(
       state, history, page_table, **cfg.attrs())
-
-
-def step_call(cfg: ffi.SchedConfig, state, history, page_table, words, *outputs):
-  """blink_step: commit of this step's outputs (as commit_call), then the next step's
-  schedule, in one custom call (one kernel on the GPU) -> (state, history, page_table, words)."""
-  out = (jax.ShapeDtypeStruct(state.shape, jnp.int32),
-         jax.ShapeDtypeStruct(history.shape, jnp.int32),
-         jax.ShapeDtypeStruct(page_table.shape, jnp.int32),
-         jax.ShapeDtypeStruct(words.shape, jnp.int32))
-  return jax.ffi.ffi_call("blink_step", out, input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3})(
-      state, history, page_table, words, *outputs, **cfg.attrs())
 
 
 def commit_call(cfg: ffi.SchedConfig, state, history, page_table, words, sampled, logprobs,
@@ -88,11 +76,8 @@ class Executor:
   """Owns the device state and runs the serving loop over one mailbox."""
 
   def __init__(self, model: Gemma, sched: ffi.SchedConfig, *, max_top_logprobs: int,
-               device: jax.Device | None = None, fused_step: bool = False,
-               kernels: KernelOptions | None = None):
-    """fused_step: one scheduler call per step (blink_step: commit, then the next schedule)
-    instead of two (blink_schedule before the model, blink_commit after it).
-    kernels: the step's kernels (`KernelOptions`; "auto" resolved for this device, see
+               device: jax.Device | None = None, kernels: KernelOptions | None = None):
+    """kernels: the step's kernels (`KernelOptions`; "auto" resolved for this device, see
     `blink_jax.kernels.select`)."""
     ffi.register_targets()
     self.model = model
@@ -121,22 +106,18 @@ class Executor:
                                  np.zeros((n, k), np.int32), np.zeros((n, k), np.float32),
                                  np.zeros((r,), np.float32), np.zeros((r, k), np.int32),
                                  np.zeros((r, k), np.float32)), self.device)
-    self.fused_step = fused_step
     self._make_jits()
 
   def _make_jits(self):
-    """The jitted step, prime and loop. Fresh partials each time: jax caches traces by
-    function, and a bound method compares equal to itself, so re-jitting one after the
-    kernel choice changed would reuse the old trace.
-    keep_unused: a carry field a step does not read (the split step's words and shutdown)
-    would be pruned from its inputs, and its output would get a fresh buffer every step; a
-    CUDA graph that touches a moved buffer is re-recorded before it runs. Kept, every carry
-    output aliases its donated input and the addresses stay put."""
-    step_fn = Executor._fused_step_fn if self.fused_step else Executor._step_fn
-    self._step = jax.jit(functools.partial(step_fn, self), donate_argnums=(1,),
+    """The jitted step and loop. Fresh partials each time: jax caches traces by function,
+    and a bound method compares equal to itself, so re-jitting one after the kernel choice
+    changed would reuse the old trace.
+    keep_unused: a carry field a step does not read (its shutdown word) would be pruned from
+    its inputs, and its output would get a fresh buffer every step; a CUDA graph that touches
+    a moved buffer is re-recorded before it runs. Kept, every carry output aliases its
+    donated input and the addresses stay put."""
+    self._step = jax.jit(functools.partial(Executor._step_fn, self), donate_argnums=(1,),
                          keep_unused=True)
-    self._prime = jax.jit(functools.partial(Executor._prime_fn, self), donate_argnums=(0,),
-                          keep_unused=True)
     self._loop = jax.jit(functools.partial(Executor._loop_fn, self), donate_argnums=(1,),
                          keep_unused=True)
 
@@ -158,8 +139,7 @@ class Executor:
           history=jnp.zeros((s.max_seqs, s.max_context), jnp.int32),
           page_table=jnp.zeros((s.max_seqs, s.max_pages_per_seq), jnp.int32),
           kv=init_kv_cache(self.model.cfg, s.num_pages, s.page_size, self.model.dtype),
-          shutdown=jnp.zeros((), jnp.int32),
-          words=jnp.zeros((ffi.batch_words(s),), jnp.int32))
+          shutdown=jnp.zeros((), jnp.int32))
 
   # ---- one step ----
   def _bucket_branch(self, rows: int):
@@ -215,28 +195,10 @@ class Executor:
     branches = [self._empty_branch] + [self._bucket_branch(r) for r in s.buckets]
     *outs, kv = lax.switch(words[batch.BUCKET] + 1, branches, params, words, page_table, c.kv)
     state, history = commit_call(s, state, history, page_table, words, *outs)
-    return Carry(state, history, page_table, kv, words[batch.SHUTDOWN], words)
-
-  def _prime_fn(self, c: Carry) -> Carry:
-    """The first schedule of a fused loop (every later one runs inside blink_step)."""
-    state, history, page_table, words = schedule_call(self.sched, c.state, c.history,
-                                                      c.page_table)
-    return Carry(state, history, page_table, c.kv, words[batch.SHUTDOWN], words)
-
-  def _fused_step_fn(self, params, c: Carry) -> Carry:
-    """Runs the model on the scheduled batch, then commits it and schedules the next."""
-    s = self.sched
-    branches = [self._empty_branch] + [self._bucket_branch(r) for r in s.buckets]
-    *outs, kv = lax.switch(c.words[batch.BUCKET] + 1, branches, params, c.words, c.page_table, c.kv)
-    state, history, page_table, words = step_call(s, c.state, c.history, c.page_table,
-                                                  c.words, *outs)
-    return Carry(state, history, page_table, kv, words[batch.SHUTDOWN], words)
+    return Carry(state, history, page_table, kv, words[batch.SHUTDOWN])
 
   def _loop_fn(self, params, c: Carry) -> Carry:
-    step = self._fused_step_fn if self.fused_step else self._step_fn
-    if self.fused_step:
-      c = self._prime_fn(c)
-    return lax.while_loop(lambda c: c.shutdown == 0, lambda c: step(params, c), c)
+    return lax.while_loop(lambda c: c.shutdown == 0, lambda c: self._step_fn(params, c), c)
 
   # ---- drivers ----
   def compile(self, carry: Carry, mode: str):
@@ -324,10 +286,6 @@ class Executor:
   def run_host(self, carry: Carry, compiled=None, on_step=None) -> Carry:
     """Host-driven: Python launches every step and waits for it (the conventional design)."""
     fn = compiled or self._step
-    if self.fused_step:
-      carry = self._prime(carry)
-      if int(carry.shutdown):
-        return carry
     while True:
       carry = fn(self.inputs, carry)
       if int(carry.shutdown):  # waits for the step, as serving loops that read tokens do

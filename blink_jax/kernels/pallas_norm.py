@@ -189,7 +189,8 @@ def prepare_qkv(qkv: jax.Array, cos: jax.Array, sin: jax.Array, q_weight: jax.Ar
                 k_weight: jax.Array | None, eps: float, kv_pages: jax.Array, slots: jax.Array,
                 *, num_heads: int, num_kv_heads: int, query_rows: int | None = None,
                 interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
-  """`model.prepare_qkv` as one kernel: qkv [T, (H + 2K) * h], cos, sin [T, h/2], kv_pages [P, page_size, 2 * K * h], slots [T]
+  """`model.prepare_qkv` as one kernel: qkv [T, (H + 2K) * h], cos, sin [T, h/2], kv_pages
+  [P, page_size, 2 * K * h], slots [T]
   (`attention.cache_slots`) -> the query ([T, H, h]; with query_rows, [T, K, query_rows,
   h], grouped by KV head with zero rows after each group) in the projection's
   dtype and kv_pages with the tokens' rows written in place (the cache is aliased:

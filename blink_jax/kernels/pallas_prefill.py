@@ -11,8 +11,9 @@ masking the rows of the others. Splits share each segment's pages out as in the 
 kernel, and `pallas_attention.merge_splits` merges them.
 
 Same signature and semantics as `attention.paged_attention_reference`. Runs for steps larger
-than `KernelOptions.decode_rows` when `KernelOptions.prefill` is "pallas" (default: the
-reference, until the prefill A/B on a GPU decides; docs/PERFORMANCE.md).
+than `KernelOptions.decode_rows` when `KernelOptions.prefill` is "pallas" (the default on a GPU:
+a 1B-shape prefill step of 256 / 1024 / 4096 tokens took 0.89 / 0.72 / 0.35x the reference's
+time on the H200; docs/PERFORMANCE.md, "Prefill attention").
 """
 from __future__ import annotations
 

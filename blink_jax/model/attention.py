@@ -1,7 +1,7 @@
 """Paged KV-cache writes and the plain-jnp paged attention oracle.
 
-Layout (docs/ARCHITECTURE.md, "Ragged paged forward"): per layer one array `kv_pages [P, page_size, 2 * K * h]`, a
-row's keys (K heads side by side) then its values; sequence slot `s` keeps its position `p`
+Layout (docs/ARCHITECTURE.md, "Ragged paged forward"): per layer one array
+`kv_pages [P, page_size, 2 * K * h]`, a row's keys (K heads side by side) then its values; sequence slot `s` keeps its position `p`
 at page `page_table[s, p // page_size]`, row `p % page_size`. One array per layer makes a
 token's K/V one contiguous row: one cache write per layer and step, not two.
 Padding rows have `seq_id == -1`: they write nothing and their outputs are garbage (but finite).

@@ -202,7 +202,7 @@ def geometry_offsets(geo, slot: int) -> list[int]:
 
 @functools.cache
 def register_targets() -> tuple[str, ...]:
-  """Registers blink_schedule / blink_commit / blink_step with XLA for every platform we have
+  """Registers blink_schedule / blink_commit with XLA for every platform we have
   handlers for, and on CUDA blink_gemv (`cuda_gemv`)."""
   import jax  # the protocol and the C API above need no JAX; the FFI targets do
 
@@ -212,16 +212,12 @@ def register_targets() -> tuple[str, ...]:
                               platform="cpu")
   jax.ffi.register_ffi_target("blink_commit", jax.ffi.pycapsule(lib.BlinkCommitCpu),
                               platform="cpu")
-  jax.ffi.register_ffi_target("blink_step", jax.ffi.pycapsule(lib.BlinkStepCpu),
-                              platform="cpu")
   cuda = cuda_library()
   if cuda is not None:
     try:
       jax.ffi.register_ffi_target("blink_schedule", jax.ffi.pycapsule(cuda.BlinkScheduleCuda),
                                   platform="CUDA")
       jax.ffi.register_ffi_target("blink_commit", jax.ffi.pycapsule(cuda.BlinkCommitCuda),
-                                  platform="CUDA")
-      jax.ffi.register_ffi_target("blink_step", jax.ffi.pycapsule(cuda.BlinkStepCuda),
                                   platform="CUDA")
       jax.ffi.register_ffi_target("blink_gemv", jax.ffi.pycapsule(cuda.BlinkGemvCuda),
                                   platform="CUDA")  # blink_jax/kernels/cuda_gemv.py

@@ -1,8 +1,8 @@
 """Converters from the formats Gemma is published in to our parameter tree.
 
 Every converter returns a `Converted`: the `ModelConfig`, a nested dict of numpy arrays in the
-layout of docs/ARCHITECTURE.md, "Parameter tree" (norm weights the Gemma way: effective scale 1 + w) and the
-SentencePiece model bytes when the source carries a tokenizer.
+layout of docs/ARCHITECTURE.md, "Parameter tree" (norm weights the Gemma way: effective
+scale 1 + w) and the SentencePiece model bytes when the source carries a tokenizer.
 
   gguf        llama.cpp GGUF files (dequantized), tokenizer rebuilt from the GGUF metadata
   hf          Hugging Face safetensors directories (Gemma3ForCausalLM, Gemma2ForCausalLM)
