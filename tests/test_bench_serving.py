@@ -13,8 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from blink_jax.client.tokenizer import Tokenizer
-from blink_jax.client import shm
 from bench import serving as BS
 from tests import fake_device as FD
 
@@ -137,27 +135,20 @@ def _start_worker(tmp: Path, tokenizer_path: Path, args: list[str], env: dict):
 
 
 @pytest.fixture
-def server(tmp_path):
-  tok_path = FD.tiny_tokenizer(tmp_path / "tok")
-  tok = Tokenizer(str(tok_path))
-  story = tok.encode(FD.STORY) + [tok.eos_id]
-  dc = FD.DeviceConfig(vocab_size=tok.vocab_size)
-  region = shm.create_region(None, dc.geometry.total_bytes)
-  device = FD.FakeDevice(region, dc, story=story).start()
-  proc, port, log = _start_worker(tmp_path, tok_path, ["--transport", "shm", "--shm-name",
-                                                       region.name], {"BLINK_API_KEY": API_KEY})
-  try:
-    yield f"http://127.0.0.1:{port}/v1", dc
-  finally:
-    proc.send_signal(signal.SIGTERM)
+def server(tmp_path, tokenizer_path):
+  with FD.running_device(tokenizer_path) as fake:
+    proc, port, log = _start_worker(tmp_path, tokenizer_path,
+                                    ["--transport", "shm", "--shm-name", fake.region.name],
+                                    {"BLINK_API_KEY": API_KEY})
     try:
-      proc.wait(20)
-    except subprocess.TimeoutExpired:
-      proc.kill()
-    print(log.read_text()[-3000:])
-    device.stop()
-    region.close()
-    region.unlink()
+      yield f"http://127.0.0.1:{port}/v1", fake.device.dc
+    finally:
+      proc.send_signal(signal.SIGTERM)
+      try:
+        proc.wait(20)
+      except subprocess.TimeoutExpired:
+        proc.kill()
+      print(log.read_text()[-3000:])
 
 
 def _run_tool(*args, timeout=120):

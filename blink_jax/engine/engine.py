@@ -151,27 +151,35 @@ class Engine:
                device: Any = None, **overrides):
     import jax
 
-    from blink_jax.executor.loop import Executor
-    from blink_jax.native import ffi, host_memory
-
     cfg = model.cfg
     asked = EngineConfig.from_kwargs(config, **overrides)
     if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
       raise ValueError(f"tokenizer has {tokenizer.vocab_size} pieces but the model only "
                        f"{cfg.vocab_size} embeddings")
     self.device = device or jax.devices()[0]
-    on_gpu = self.device.platform == "gpu"
     c = self.config = asked.resolved(cfg.max_context, self.device.platform)
     self.model_cfg, self.tokenizer, self.mode = cfg, tokenizer, c.mode
     self.model_name, self.tokenizer_path = model_name, tokenizer_path
     self.dtype = str(np.dtype(model.dtype))
     self.max_context, self.max_top_logprobs = c.max_context, c.max_top_logprobs
-    self.geo = protocol.Geometry(c.num_slots, c.max_context - 1, c.ring_capacity,
-                                 c.max_top_logprobs)
     self.eos_ids = tuple(eos_ids if eos_ids is not None else
                          (tokenizer.eos_ids if tokenizer is not None else ()))[:4]
+    self._make_mailbox(region, shm_name)
+    # From here on a failed start (e.g. a kernel that does not compile) unregisters the
+    # mailbox and removes its shared memory: nothing leaks.
+    try:
+      carry = self._build_executor(model, asked)
+      self._start(carry)
+    except BaseException:
+      self._release_memory()
+      raise
 
-    # The mailbox: host memory the device reads in place.
+  def _make_mailbox(self, region, shm_name: str | None) -> None:
+    """The mailbox: host memory the device reads in place, with a fresh header."""
+    from blink_jax.native import host_memory
+    c = self.config
+    self.geo = protocol.Geometry(c.num_slots, c.max_context - 1, c.ring_capacity,
+                                 c.max_top_logprobs)
     self.shm_name = None
     if region is None and shm_name is not None:
       region = shm.create_region(shm_name or None, self.geo.total_bytes)
@@ -181,71 +189,76 @@ class Engine:
     # Frontend workers 0..N-1 own the first slot ranges; this engine's own client (generate())
     # is worker N, so the two never write the same slot or doorbell.
     self.mailbox_workers = c.frontend_workers + 1
-    mailbox.init_header(self.region, self.geo, vocab_size=cfg.vocab_size,
+    mailbox.init_header(self.region, self.geo, vocab_size=self.model_cfg.vocab_size,
                         max_context=c.max_context, num_workers=self.mailbox_workers,
                         eos_id=self.eos_ids[0] if self.eos_ids else 0)
     self._registration = None
-    # From here on a failed start (e.g. a kernel that does not compile) unregisters the
-    # mailbox and removes its shared memory: nothing leaks.
-    try:
-      mailbox_addr = self.region.address
-      if on_gpu:
-        self._registration = host_memory.Registration(self.region.address,
-                                                      self.geo.total_bytes)
-        mailbox_addr = self._registration.device_address
-      self.sched = ffi.SchedConfig.build(
-          mailbox=mailbox_addr, num_slots=c.num_slots, max_prompt=self.geo.max_prompt,
-          ring_capacity=c.ring_capacity, max_top_logprobs=c.max_top_logprobs,
-          vocab_size=cfg.vocab_size, max_seqs=c.max_seqs, max_context=c.max_context,
-          page_size=c.page_size, num_pages=c.kv_pages, buckets=c.buckets,
-          eos_ids=self.eos_ids, idle_poll_us=c.idle_poll_us)
-      self.executor = Executor(model, self.sched, max_top_logprobs=c.max_top_logprobs,
-                               device=self.device,
-                               kernels=asked.kernels)  # "auto" kept: it may fall back
-      log.info("engine: model %s (%s, %d layers), dtype %s, device %s", model_name, cfg.name,
-               cfg.num_layers, self.dtype, self.device)
-      log.info("engine config: %s", c.describe())
-      carry = self.executor.initial_carry()
-      self.compiled = self.executor.compile(carry, c.mode)
-      if self.executor.kernels != c.kernels:  # a Pallas kernel did not compile here
-        c = self.config = dataclasses.replace(c, kernels=self.executor.kernels)
-      self.client = mailbox.MailboxClient(self.region, c.frontend_workers, self.mailbox_workers)
-      # Before READY (no frontend submits yet): XLA's first execution of the loop runs op by op;
-      # on a GPU it serves a warm-up workload that takes every bucket branch (see warm_up).
-      workload = self._warm_up_workload if c.warm_up else None
-      if workload or c.mode == "persistent":
-        log.info("warm-up: %s in XLA's op-by-op first execution",
-                 f"every bucket branch {list(self.sched.buckets)} once" if workload else
-                 "one empty step")
-        t0 = time.perf_counter()
-        carry = self.executor.warm_up(carry, self.compiled, c.mode, self._write_shutdown,
-                                      workload)
-        log.info("warm-up done in %.1f s", time.perf_counter() - t0)
-      self._lock = threading.Lock()
-      self._slot_free = threading.Condition(self._lock)
-      self._active: dict[int, _Tracked] = {}
-      self._stopping = False
-      self._error: BaseException | None = None
-      self._final_carry = None
-      self._loop_thread = threading.Thread(target=self._run_loop, args=(carry,),
-                                           name="blink-loop", daemon=True)
-      self._poll_thread = threading.Thread(target=self._poll, name="blink-poll", daemon=True)
-      self._set_engine_state(protocol.EngineState.READY)
-      _LIVE_ENGINES.add(self)
-      if on_gpu and c.mode == "persistent":
-        self._start_loop_checked()
-      else:
-        self._loop_thread.start()
-      self._poll_thread.start()
-      self.loop_report = self.executor.loop_report
-      self.loop_on_device = self.loop_report.get("device_while")
-      log.info("serving loop on the device: %s", self.loop_report)
-      if on_gpu and c.mode == "persistent" and not self.loop_on_device:
-        log.warning("the serving loop is NOT a device-side WHILE node, the host CPU drives every "
-                    "iteration (latency will suffer under CPU load): %s", self.loop_report)
-    except BaseException:
-      self._release_memory()
-      raise
+
+  def _build_executor(self, model, asked: EngineConfig):
+    """Maps the mailbox for the GPU, builds and compiles the executor; returns its carry."""
+    from blink_jax.executor.loop import Executor
+    from blink_jax.native import ffi, host_memory
+    c, cfg = self.config, self.model_cfg
+    mailbox_addr = self.region.address
+    if self.device.platform == "gpu":
+      self._registration = host_memory.Registration(self.region.address, self.geo.total_bytes)
+      mailbox_addr = self._registration.device_address
+    self.sched = ffi.SchedConfig.build(
+        mailbox=mailbox_addr, num_slots=c.num_slots, max_prompt=self.geo.max_prompt,
+        ring_capacity=c.ring_capacity, max_top_logprobs=c.max_top_logprobs,
+        vocab_size=cfg.vocab_size, max_seqs=c.max_seqs, max_context=c.max_context,
+        page_size=c.page_size, num_pages=c.kv_pages, buckets=c.buckets,
+        eos_ids=self.eos_ids, idle_poll_us=c.idle_poll_us)
+    self.executor = Executor(model, self.sched, max_top_logprobs=c.max_top_logprobs,
+                             device=self.device,
+                             kernels=asked.kernels)  # "auto" kept: it may fall back
+    log.info("engine: model %s (%s, %d layers), dtype %s, device %s", self.model_name,
+             cfg.name, cfg.num_layers, self.dtype, self.device)
+    log.info("engine config: %s", c.describe())
+    carry = self.executor.initial_carry()
+    self.compiled = self.executor.compile(carry, c.mode)
+    if self.executor.kernels != c.kernels:  # a Pallas kernel did not compile here
+      self.config = dataclasses.replace(c, kernels=self.executor.kernels)
+    self.client = mailbox.MailboxClient(self.region, c.frontend_workers, self.mailbox_workers)
+    return carry
+
+  def _start(self, carry) -> None:
+    """Warm-up, then READY, the loop and poll threads, and the loop report."""
+    c = self.config
+    persistent_gpu = self.device.platform == "gpu" and c.mode == "persistent"
+    # Before READY (no frontend submits yet): XLA's first execution of the loop runs op by op;
+    # on a GPU it serves a warm-up workload that takes every bucket branch (see warm_up).
+    workload = self._warm_up_workload if c.warm_up else None
+    if workload or c.mode == "persistent":
+      log.info("warm-up: %s in XLA's op-by-op first execution",
+               f"every bucket branch {list(self.sched.buckets)} once" if workload else
+               "one empty step")
+      t0 = time.perf_counter()
+      carry = self.executor.warm_up(carry, self.compiled, c.mode, self._write_shutdown,
+                                    workload)
+      log.info("warm-up done in %.1f s", time.perf_counter() - t0)
+    self._lock = threading.Lock()
+    self._slot_free = threading.Condition(self._lock)
+    self._active: dict[int, _Tracked] = {}
+    self._stopping = False
+    self._error: BaseException | None = None
+    self._final_carry = None
+    self._loop_thread = threading.Thread(target=self._run_loop, args=(carry,),
+                                         name="blink-loop", daemon=True)
+    self._poll_thread = threading.Thread(target=self._poll, name="blink-poll", daemon=True)
+    self._set_engine_state(protocol.EngineState.READY)
+    _LIVE_ENGINES.add(self)
+    if persistent_gpu:
+      self._start_loop_checked()
+    else:
+      self._loop_thread.start()
+    self._poll_thread.start()
+    self.loop_report = self.executor.loop_report
+    self.loop_on_device = self.loop_report.get("device_while")
+    log.info("serving loop on the device: %s", self.loop_report)
+    if persistent_gpu and not self.loop_on_device:
+      log.warning("the serving loop is NOT a device-side WHILE node, the host CPU drives every "
+                  "iteration (latency will suffer under CPU load): %s", self.loop_report)
 
   # ---- construction from a checkpoint ----
   @classmethod
