@@ -43,7 +43,9 @@ def _triton_calls(text: str) -> collections.Counter:
 
 
 def _options(attention: str, norm: str, **kw) -> KernelOptions:
-  return KernelOptions(attention=attention, norm=norm, **{"gemv": "none", **kw})
+  """Resolved options: no GEMV and the reference prefill attention unless named."""
+  return KernelOptions(attention=attention, norm=norm,
+                       **{"gemv": "none", "prefill": "reference", **kw})
 
 
 def _lowered(cfg, kernels, tokens: int) -> str:
