@@ -178,10 +178,11 @@ class EngineConfig:
 # ---- command-line flags (absl), one per field ----
 
 def _flag_fields():
-  for cls, prefix in ((EngineConfig, ""), (KernelOptions, "kernels.")):
-    for f in dataclasses.fields(cls):
+  """(field, default) of every EngineConfig and KernelOptions field but `kernels`."""
+  for defaults in (EngineConfig(), KernelOptions()):
+    for f in dataclasses.fields(defaults):
       if f.name != "kernels":
-        yield cls, prefix + f.name, f
+        yield f, getattr(defaults, f.name)
 
 
 def define_flags(flag_values=None) -> None:
@@ -189,32 +190,25 @@ def define_flags(flag_values=None) -> None:
   default (unset) means the dataclass's default."""
   from absl import flags
   fv = flags.FLAGS if flag_values is None else flag_values
-  defaults = {"": EngineConfig(), "kernels.": KernelOptions()}
-  for cls, path, f in _flag_fields():
-    name = path.split(".")[-1]
-    default = getattr(defaults["kernels." if path.startswith("kernels.") else ""], name)
+  for f, default in _flag_fields():
     help_text = f"{f.metadata['help']} (default: {default})"
     if f.metadata.get("choices"):
-      flags.DEFINE_enum(name, None, f.metadata["choices"], help_text, flag_values=fv)
-    elif name == "buckets":
-      flags.DEFINE_list(name, None, help_text, flag_values=fv)
-    elif f.type in ("bool", "bool | None") or isinstance(default, bool):
-      flags.DEFINE_bool(name, None, help_text, flag_values=fv)
+      flags.DEFINE_enum(f.name, None, f.metadata["choices"], help_text, flag_values=fv)
+    elif f.name == "buckets":
+      flags.DEFINE_list(f.name, None, help_text, flag_values=fv)
+    elif f.type in ("bool", "bool | None"):
+      flags.DEFINE_bool(f.name, None, help_text, flag_values=fv)
     elif f.type in ("int", "int | None"):
-      flags.DEFINE_integer(name, None, help_text, flag_values=fv)
+      flags.DEFINE_integer(f.name, None, help_text, flag_values=fv)
     else:
-      flags.DEFINE_string(name, None, help_text, flag_values=fv)
+      flags.DEFINE_string(f.name, None, help_text, flag_values=fv)
 
 
 def from_flags(flag_values=None) -> EngineConfig:
   """The EngineConfig the flags `define_flags` defined ask for (unset flags: defaults)."""
   from absl import flags
   fv = flags.FLAGS if flag_values is None else flag_values
-  kw = {}
-  for _, path, f in _flag_fields():
-    name = path.split(".")[-1]
-    value = fv[name].value
-    if value is None:
-      continue
-    kw[name] = tuple(int(b) for b in value) if name == "buckets" else value
+  kw = {f.name: fv[f.name].value for f, _ in _flag_fields() if fv[f.name].value is not None}
+  if "buckets" in kw:
+    kw["buckets"] = tuple(int(b) for b in kw["buckets"])
   return EngineConfig.from_kwargs(**kw)

@@ -276,8 +276,9 @@ class Engine:
     dtypes = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
     if dtype not in dtypes:
       raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
-    EngineConfig.from_kwargs(kw.get("config"), **{k: v for k, v in kw.items()
-                                                  if k not in _ENGINE_KEYWORDS})  # fail fast
+    # The config is made (and validated) before any weights load.
+    overrides = {k: kw.pop(k) for k in list(kw) if k not in _ENGINE_KEYWORDS}
+    kw["config"] = EngineConfig.from_kwargs(kw.get("config"), **overrides)
     if str(name_or_path).startswith("random:"):
       from flax import nnx
 
@@ -460,7 +461,7 @@ class Engine:
         return
       progressed = False
       now = time.monotonic()
-      hint = self.client.progress()
+      hint = self.client.progress() if items else last
       if items and (hint != last or now - last_sweep > 0.05):
         last, last_sweep = hint, now
         for slot, out in self.client.poll_many(items):
