@@ -99,6 +99,17 @@ def describe_device() -> str:
   return f"{d.platform}:{getattr(d, 'device_kind', '')} ({len(jax.devices())} devices)"
 
 
+def cpu_model() -> str:
+  """The host CPU's model name (Linux), for results measured on the CPU."""
+  try:
+    for line in open("/proc/cpuinfo"):
+      if line.startswith("model name"):
+        return f"{line.split(':', 1)[1].strip()} x {os.cpu_count()}"
+  except OSError:
+    pass
+  return f"{platform.processor() or platform.machine()} x {os.cpu_count()}"
+
+
 def git_revision() -> str:
   """BLINK_GIT_REVISION when set (the device copy of the tree may carry a stale .git), else
   the checkout's HEAD."""

@@ -50,6 +50,36 @@ def hf_config(cfg):
       max_position_embeddings=8192, tie_word_embeddings=True)
 
 
+def hf_gemma_from_gguf(gguf_file, dtype):
+  """transformers' Gemma3ForCausalLM with the weights transformers itself reads from a GGUF:
+  (model, the state dict's tensors).
+
+  `from_pretrained(dir, gguf_file=...)` needs the `accelerate` package, which is not a
+  dependency here, so the same steps are taken by hand: the config from the GGUF
+  (AutoConfig), a model from it, and the state dict from transformers' own GGUF loader
+  (load_gguf_checkpoint: its own dequantization and its own undoing of llama.cpp's +1 on
+  norms). The tied output layer is the embedding."""
+  import pathlib
+
+  import torch
+  import transformers
+  from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+  gguf_file = pathlib.Path(gguf_file)
+  hf_cfg = transformers.AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+  model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
+  tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True,
+                                 model_to_load=model)["tensors"]
+  result = model.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()},
+                                 strict=False)
+  if result.missing_keys != ["lm_head.weight"] or result.unexpected_keys:
+    raise ValueError(f"unexpected GGUF state dict: missing {result.missing_keys}, "
+                     f"unexpected {result.unexpected_keys}")
+  model.tie_weights()
+  if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
+    raise ValueError("the output layer is not tied to the embedding")
+  return model.to(dtype), tensors
+
+
 def generate_compile_kwargs(mode: str) -> dict:
   """generate() arguments that select how transformers compiles the decoding forward."""
   if mode == "eager":

@@ -14,6 +14,8 @@ import dataclasses
 from typing import Any
 
 KERNEL_KINDS = ("auto", "reference", "pallas")
+# Attention also has the blocked jnp kernel, "auto"'s choice off the GPU.
+ATTENTION_KINDS = KERNEL_KINDS + ("blocked",)
 GEMV_PROJECTIONS = ("qkv", "out", "down", "gate_up")
 # What gemv="auto" runs on a GPU: the q/k/v, output and down projections (on the H200, 1B
 # shape, a batch-1 token 1.39 instead of 1.38-1.60 ms; the gate/up projection through the
@@ -29,16 +31,19 @@ def _field(default: Any, help: str, **kw) -> Any:  # noqa: A002 - the flag's hel
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
   """Which implementation of each kernel family a serving step runs. "auto" means the fast
-  kernel on a GPU and the jnp reference elsewhere (Pallas' interpreter is slow on a CPU);
-  naming one forces it (on a CPU a Pallas kernel then runs in Pallas' interpreter, which the
-  tests use). docs/ARCHITECTURE.md, "Kernels", says what each kernel does."""
+  kernel of the device: Pallas on a GPU; elsewhere the blocked jnp attention and the jnp
+  reference norms (Pallas' interpreter is slow on a CPU). Naming one forces it (on a CPU a
+  Pallas kernel then runs in Pallas' interpreter, which the tests use). docs/ARCHITECTURE.md,
+  "Kernels", says what each kernel does."""
   attention: str = _field("auto", "Paged attention of decode-sized steps (up to decode_rows "
-                          "tokens): the Pallas kernel that reads KV pages in place, or the jnp "
-                          "reference.", choices=KERNEL_KINDS)
+                          "tokens): the Pallas kernel that reads KV pages in place, the "
+                          "blocked jnp kernel (key blocks up to the step's context: the CPU's), "
+                          "or the jnp reference (every row's whole page table).",
+                          choices=ATTENTION_KINDS)
   prefill: str = _field("auto", "Attention of prefill-sized steps: the Pallas prefill kernel "
                         "(blocks of tokens read each sequence's pages once; on the H200, 1B "
-                        "shape, a 4096-token prefill step 13.9 instead of 40.0 ms), or the "
-                        "jnp reference.", choices=KERNEL_KINDS)
+                        "shape, a 4096-token prefill step 13.9 instead of 40.0 ms), the "
+                        "blocked jnp kernel, or the jnp reference.", choices=ATTENTION_KINDS)
   norm: str = _field("auto", "Residual add + RMSNorm pairs and each layer's q/k RMSNorm + "
                      "RoPE + cache write: one Pallas kernel each, or the jnp reference.",
                      choices=KERNEL_KINDS)
@@ -48,9 +53,10 @@ class KernelOptions:
   decode_rows: int = _field(64, "Largest step (tokens) whose attention is decode-sized.")
 
   def __post_init__(self):
-    for name in ("attention", "prefill", "norm"):
-      if getattr(self, name) not in KERNEL_KINDS:
-        raise ValueError(f"{name} must be one of {KERNEL_KINDS}, got {getattr(self, name)!r}")
+    for name, kinds in (("attention", ATTENTION_KINDS), ("prefill", ATTENTION_KINDS),
+                        ("norm", KERNEL_KINDS)):
+      if getattr(self, name) not in kinds:
+        raise ValueError(f"{name} must be one of {kinds}, got {getattr(self, name)!r}")
     self.gemv_projections("gpu")  # validates the names
     if not isinstance(self.decode_rows, int) or self.decode_rows < 1:
       raise ValueError(f"decode_rows must be an integer >= 1, got {self.decode_rows!r}")
@@ -69,11 +75,12 @@ class KernelOptions:
 
   def resolved(self, platform: str) -> "KernelOptions":
     """The options with every "auto" replaced by what it means on `platform`."""
-    pick = lambda kind: ("pallas" if platform == "gpu" else "reference") if kind == "auto" \
-        else kind  # noqa: E731
+    def pick(kind: str, elsewhere: str) -> str:
+      return ("pallas" if platform == "gpu" else elsewhere) if kind == "auto" else kind
     gemv = "+".join(p for p in GEMV_PROJECTIONS if p in self.gemv_projections(platform))
-    return dataclasses.replace(self, attention=pick(self.attention), prefill=pick(self.prefill),
-                               norm=pick(self.norm), gemv=gemv or "none")
+    return dataclasses.replace(self, attention=pick(self.attention, "blocked"),
+                               prefill=pick(self.prefill, "blocked"),
+                               norm=pick(self.norm, "reference"), gemv=gemv or "none")
 
   def without_pallas(self, families: tuple[str, ...]) -> "KernelOptions":
     """The options with the named families back on the jnp reference (the executor's
@@ -94,11 +101,14 @@ class EngineConfig:
   ring_capacity: int = _field(64, "Entries of each slot's output ring.")
   max_top_logprobs: int = _field(8, "Most top logprobs a request may ask for.")
   buckets: tuple[int, ...] | None = _field(None, "Token counts the step is compiled for "
-                                           "(default: 1, 8, 64 and the token budget).")
+                                           "(default: 1, 8, 64 and the token budget; on a CPU "
+                                           "also 16 and 32).")
   mode: str = _field("persistent", "persistent: the serving loop runs on the device; host: "
                      "the host drives each step (the conventional design, for comparison).",
                      choices=MODES)
-  idle_poll_us: int = _field(200, "How long the idle loop waits between mailbox polls.")
+  idle_poll_us: int | None = _field(None, "How long an idle schedule polls the mailbox for "
+                                    "work before the loop goes round (default: 200 on a GPU; "
+                                    "50000 on a CPU, where each round wakes XLA's threads).")
   frontend_workers: int = _field(0, "Frontend worker processes that share the mailbox "
                                  "(slot ranges 0..N-1; the engine's own generate() is N).")
   warm_up: bool | None = _field(None, "Serve a workload that takes every bucket branch "
@@ -123,7 +133,7 @@ class EngineConfig:
       raise ValueError(f"max_context must be at least 2, got {self.max_context}")
     if self.mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-    if self.idle_poll_us < 0 or self.frontend_workers < 0:
+    if (self.idle_poll_us is not None and self.idle_poll_us < 0) or self.frontend_workers < 0:
       raise ValueError("idle_poll_us and frontend_workers must be >= 0")
     if self.buckets is not None:
       b = tuple(self.buckets)
@@ -152,7 +162,7 @@ class EngineConfig:
 
   def resolved(self, model_max_context: int, platform: str) -> "EngineConfig":
     """The config with the model- and device-dependent defaults filled in: max_context,
-    kv_pages, buckets, warm_up and the kernels' "auto"."""
+    kv_pages, buckets, idle_poll_us, warm_up and the kernels' "auto"."""
     max_context = self.max_context or min(model_max_context, 4096)
     if max_context > model_max_context:
       raise ValueError(f"max_context {max_context} exceeds the model's {model_max_context}")
@@ -160,9 +170,16 @@ class EngineConfig:
     buckets = self.buckets
     if buckets is None:
       budget = max(256, self.max_seqs)
-      buckets = tuple(sorted({min(b, budget) for b in (1, 8, 64)} | {budget}))
+      # A CPU pays for every padded row (a GPU's small steps cost their weights' reading):
+      # 16 and 32 there too, so a short prompt is not padded to 64 rows.
+      sizes = (1, 8, 64) if platform == "gpu" else (1, 8, 16, 32, 64)
+      buckets = tuple(sorted({min(b, budget) for b in sizes} | {budget}))
+    idle_poll_us = self.idle_poll_us
+    if idle_poll_us is None:
+      idle_poll_us = 200 if platform == "gpu" else 50_000
     return dataclasses.replace(
         self, max_context=max_context, kv_pages=kv_pages, buckets=buckets,
+        idle_poll_us=idle_poll_us,
         warm_up=(platform == "gpu") if self.warm_up is None else self.warm_up,
         kernels=self.kernels.resolved(platform))
 

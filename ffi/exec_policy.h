@@ -109,9 +109,12 @@ struct HostExec {
         .count();
   }
   static void backoff(uint32_t attempt) {
-    // Spin briefly, then yield the core: an idle engine must not burn a host CPU.
+    // Spin briefly, then sleep, twice as long every 2 attempts up to 1 ms: an idle engine must
+    // not burn a host CPU (every sleep costs a wake-up: 20 us sleeps kept a core 30 % busy),
+    // and a request that arrives waits at most about 1 ms more.
     if (attempt < 64) return;
-    std::this_thread::sleep_for(std::chrono::microseconds(attempt < 256 ? 1 : 20));
+    const uint32_t doublings = (attempt - 64) / 2;
+    std::this_thread::sleep_for(std::chrono::microseconds(doublings >= 10 ? 1000 : 1u << doublings));
   }
 };
 

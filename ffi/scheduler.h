@@ -587,7 +587,13 @@ struct BlinkSched {
         sid[i] = -1;
         tgt[i] = -1;
       }
-      if (i < c.max_seqs) sample_array(BS_LANES)[i] = -1;
+      if (i < c.max_seqs) {
+        // An unused sample entry must not look like a request that asks for sampling or
+        // logprobs: the step computes those for every entry when any entry wants them.
+        sample_array(BS_LANES)[i] = -1;
+        sample_array(BS_TEMPERATURE)[i] = 0;  // 0.0f: greedy
+        sample_array(BS_NUM_LOGPROBS)[i] = -1;
+      }
     });
     x.parallel(c.max_seqs, [&](int64_t l) {
       int32_t n = lane(L_SCHED_N, l);

@@ -51,27 +51,12 @@ def gemma(gemma_dir):
 
 @pytest.fixture(scope="session")
 def hf_gemma(gguf_file):
-  """transformers' Gemma3ForCausalLM with the weights transformers itself reads from the GGUF.
-
-  `from_pretrained(dir, gguf_file=...)` needs the `accelerate` package, which is not a
-  dependency here, so the same steps are taken by hand: the config from the GGUF
-  (AutoConfig), a model from it, and the state dict from transformers' own GGUF loader
-  (load_gguf_checkpoint: its own dequantization and its own undoing of llama.cpp's +1 on
-  norms).
-  """
+  """transformers' Gemma3ForCausalLM with the weights transformers itself reads from the GGUF
+  (bench.hf_reference.hf_gemma_from_gguf): (model, the state dict's tensors), float32."""
   torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
-  from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-  hf_cfg = transformers.AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-  model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
-  tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True,
-                                 model_to_load=model)["tensors"]
-  result = model.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()},
-                                 strict=False)
-  assert result.missing_keys == ["lm_head.weight"] and not result.unexpected_keys
-  assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-  return model, tensors
+  pytest.importorskip("transformers")
+  from bench.hf_reference import hf_gemma_from_gguf
+  return hf_gemma_from_gguf(gguf_file, torch.float32)
 
 
 @pytest.fixture(scope="session")

@@ -47,15 +47,16 @@ def test_kernel_fields_at_the_top_level_go_to_kernel_options():
 
 def test_resolved_fills_model_and_device_defaults():
   c = EngineConfig(max_seqs=4).resolved(model_max_context=32768, platform="cpu")
-  assert (c.max_context, c.kv_pages, c.buckets, c.warm_up) == (4096, 4096 // 16 * 4,
-                                                               (1, 8, 64, 256), False)
-  assert c.kernels == KernelOptions("reference", "reference", "reference", "none")
+  assert (c.max_context, c.kv_pages, c.buckets, c.warm_up, c.idle_poll_us) == (
+      4096, 4096 // 16 * 4, (1, 8, 16, 32, 64, 256), False, 50_000)
+  assert c.kernels == KernelOptions("blocked", "blocked", "reference", "none")
   g = EngineConfig(max_context=100, page_size=16).resolved(128, "gpu")
-  assert g.kv_pages == 7 * 8 and g.warm_up is True
+  assert g.kv_pages == 7 * 8 and g.warm_up is True and g.idle_poll_us == 200
+  assert g.buckets == (1, 8, 64, 256)
   assert (g.kernels.attention, g.kernels.prefill, g.kernels.norm, g.kernels.gemv) == (
       "pallas", "pallas", "pallas", "qkv+out+down")
   assert KernelOptions(gemv="down+qkv").resolved("cpu").gemv == "qkv+down"
-  assert "max_seqs=4" in c.describe() and "kernels: attention=reference" in c.describe()
+  assert "max_seqs=4" in c.describe() and "kernels: attention=blocked" in c.describe()
 
 
 def test_one_flag_per_field_and_back():

@@ -239,6 +239,7 @@ class Engine:
       log.info("warm-up done in %.1f s", time.perf_counter() - t0)
     self._lock = threading.Lock()
     self._slot_free = threading.Condition(self._lock)
+    self._submitted = threading.Condition(self._lock)  # the poll thread sleeps on it when idle
     self._active: dict[int, _Tracked] = {}
     self._stopping = False
     self._error: BaseException | None = None
@@ -376,6 +377,7 @@ class Engine:
       self._stopping = True
       for t in self._active.values():
         self.client.cancel(t.slot)
+      self._submitted.notify_all()
     deadline = time.monotonic() + timeout
     while self._active and time.monotonic() < deadline and self._loop_thread.is_alive():
       time.sleep(0.005)
@@ -447,15 +449,19 @@ class Engine:
       slot = self.client.submit(req)
       t = _Tracked(slot, ids, params, self.tokenizer)
       self._active[slot] = t
+      self._submitted.notify()
       return t
 
   def _poll(self) -> None:
     """Reads output rings of the requests in flight and hands new tokens to their callers.
     Slots are polled only when the device's progress counters moved (`progress`), and at
-    least every 50 ms."""
+    least every 50 ms; with nothing in flight the thread sleeps until a request is submitted
+    (an idle engine costs no CPU)."""
     idle, last, last_sweep = 0, b"", 0.0
     while True:
       with self._lock:
+        while not self._active and not self._stopping and self._loop_thread.is_alive():
+          self._submitted.wait(0.5)  # the timeout notices a loop that died
         items = dict(self._active)
       if not items and (self._stopping or not self._loop_thread.is_alive()):
         return

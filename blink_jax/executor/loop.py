@@ -131,6 +131,14 @@ class Executor:
     return (self.params, self.zeros, self.fused)
 
   # ---- state ----
+  @property
+  def kv_dtype(self):
+    """The KV cache's dtype: the model's, but float32 off the GPU. XLA's CPU backend gathers
+    and scatters 16-bit floats through float32 copies of the whole cache, every layer and
+    step (a bfloat16 token of the 270M cost 290 instead of 60 ms); a float32 cache holds the
+    same values, since the rows written are rounded to the model's dtype first."""
+    return self.model.dtype if self.device.platform == "gpu" else jnp.float32
+
   def initial_carry(self) -> Carry:
     s = self.sched
     with jax.default_device(self.device):
@@ -138,7 +146,7 @@ class Executor:
           state=jnp.asarray(ffi.initial_state(s)),
           history=jnp.zeros((s.max_seqs, s.max_context), jnp.int32),
           page_table=jnp.zeros((s.max_seqs, s.max_pages_per_seq), jnp.int32),
-          kv=init_kv_cache(self.model.cfg, s.num_pages, s.page_size, self.model.dtype),
+          kv=init_kv_cache(self.model.cfg, s.num_pages, s.page_size, self.kv_dtype),
           shutdown=jnp.zeros((), jnp.int32))
 
   # ---- one step ----
@@ -155,14 +163,28 @@ class Executor:
       hidden, kv = model.forward(b.tokens, b.positions, b.seq_ids, page_table, kv, kernels,
                                  fused=fused)
       h = hidden[jnp.clip(b.rows, 0, rows - 1)]
-      logits = model.logits(h)
-      f32 = lambda bits: lax.bitcast_convert_type(bits, jnp.float32)
-      tok, lp, tid, tlp = sample(logits, f32(b.temperature), f32(b.top_p), b.top_k, b.seed_lo,
-                                 b.seed_hi, b.position, b.num_logprobs,
-                                 (zeros[1][:samples], zeros[2][:samples], zeros[3][:samples]),
-                                 max_top=max_top)
+      f32 = lambda bits: lax.bitcast_convert_type(bits, jnp.float32)  # noqa: E731
+
+      def sample_first(n):  # the first n samples
+        return sample(model.logits(h[:n], kernels.logits), f32(b.temperature[:n]),
+                      f32(b.top_p[:n]), b.top_k[:n], b.seed_lo[:n], b.seed_hi[:n],
+                      b.position[:n], b.num_logprobs[:n],
+                      (zeros[1][:n], zeros[2][:n], zeros[3][:n]), max_top=max_top)
+
+      if self.device.platform == "gpu" or samples == 1:
+        tok, lp, tid, tlp = sample_first(samples)
+      else:
+        # Off the GPU a step with one sample (a prompt's last chunk alone, the usual prefill)
+        # computes the output layer for one row: it is a CPU's largest matmul (the 270M in
+        # float32: 26 ms at one row, 48 at eight). On a GPU it reads the same weights at any
+        # row count. The commit reads no sample past the step's count.
+        def one():
+          return jax.tree.map(lambda x: jnp.pad(x, [(0, samples - 1)] + [(0, 0)] * (x.ndim - 1)),
+                              sample_first(1))
+        tok, lp, tid, tlp = lax.cond(words[batch.NUM_SAMPLES] <= 1, one,
+                                     lambda: sample_first(samples))
       pad = s.max_seqs - samples
-      rlp, rid, rtl = self._prompt_logprobs(model, hidden, b.targets, zeros[4:], rows)
+      rlp, rid, rtl = self._prompt_logprobs(model, kernels, hidden, b.targets, zeros[4:], rows)
       rpad = s.token_budget - rows
       return (jnp.pad(tok, (0, pad)), jnp.pad(lp, (0, pad)), jnp.pad(tid, ((0, pad), (0, 0))),
               jnp.pad(tlp, ((0, pad), (0, 0))), jnp.pad(rlp, (0, rpad)),
@@ -170,13 +192,13 @@ class Executor:
 
     return run
 
-  def _prompt_logprobs(self, model, hidden, targets, zeros, rows: int):
+  def _prompt_logprobs(self, model, kernels, hidden, targets, zeros, rows: int):
     """Logprob (and top-n) of each row's target token under the model; only computed when
     some row has a target (a request asked for prompt logprobs): logits of every row."""
     max_top = self.max_top
 
     def compute():
-      lp = jax.nn.log_softmax(model.logits(hidden), axis=-1)
+      lp = jax.nn.log_softmax(model.logits(hidden, kernels.logits), axis=-1)
       chosen = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
       if max_top == 0:
         return chosen, zeros[1][:rows], zeros[2][:rows]
@@ -189,11 +211,34 @@ class Executor:
   def _empty_branch(self, params, words, page_table, kv):
     return (*params[1], kv)
 
+  def _select_branch(self, index, branches, params, words, page_table, kv):
+    """Runs `branches[index]`. On a GPU a `lax.switch` (a conditional node of the CUDA graph,
+    updating the cache in place). XLA's CPU runtime gives a conditional's operands and results
+    separate buffers, so there a switch copied every layer's cache, even in the empty branch
+    of an idle step: instead each bucket branch is a `lax.while_loop` that runs 0 or 1 times,
+    whose carry is one buffer (docs/NOTES.md, "Whole-cache copies on the CPU backend")."""
+    if self.device.platform == "gpu":
+      return lax.switch(index, branches, params, words, page_table, kv)
+    outs = tuple(branches[0](params, words, page_table, kv)[:-1])
+    # The barrier ties the batch (words, page table) to the loop-variant cache: without it XLA
+    # hoists what depends only on the batch (the embedding gather, the first layer's QKV
+    # projection and RoPE) out of every loop, and each step ran that for every bucket.
+    for i, branch in enumerate(branches[1:], start=1):
+      def body(c, branch=branch):
+        _, _, kv = c
+        w, pt, kv = lax.optimization_barrier((words, page_table, kv))
+        *outs, kv = branch(params, w, pt, kv)
+        return jnp.int32(1), tuple(outs), kv
+      _, outs, kv = lax.while_loop(lambda c, i=i: (c[0] == 0) & (index == i), body,
+                                   (jnp.int32(0), outs, kv))
+    return (*outs, kv)
+
   def _step_fn(self, params, c: Carry) -> Carry:
     s = self.sched
     state, history, page_table, words = schedule_call(s, c.state, c.history, c.page_table)
     branches = [self._empty_branch] + [self._bucket_branch(r) for r in s.buckets]
-    *outs, kv = lax.switch(words[batch.BUCKET] + 1, branches, params, words, page_table, c.kv)
+    *outs, kv = self._select_branch(words[batch.BUCKET] + 1, branches, params, words,
+                                    page_table, c.kv)
     state, history = commit_call(s, state, history, page_table, words, *outs)
     return Carry(state, history, page_table, kv, words[batch.SHUTDOWN])
 

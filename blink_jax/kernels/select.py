@@ -5,17 +5,21 @@ The one place that knows how the fast kernels fit together:
 - decode-sized steps (up to `decode_rows` tokens) run the Pallas decode attention; with the
   Pallas norm kernels too, the q/k prepare kernel hands it the query already grouped by KV
   head and padded;
-- larger steps run the Pallas prefill attention when `prefill` is "pallas", else the
-  reference;
+- larger steps run the Pallas prefill attention when `prefill` is "pallas";
+- "blocked" (the CPU's default for both) runs `blocked_attention`, which reads only the key
+  blocks up to the step's context; "reference" the oracle, which reads every whole page table;
 - the CUDA GEMV runs the named projections of steps of up to 8 tokens; the output and down
-  projections only with the Pallas add + norm kernel, which adds up their partial sums.
+  projections only with the Pallas add + norm kernel, which adds up their partial sums;
+- off the GPU every other projection and the output layer run `cpu_matmul`'s matmuls (the
+  form XLA's CPU backend runs fast in bfloat16; the plain matmul in float32).
 """
 from __future__ import annotations
 
 import functools
 
 from blink_jax.engine_config import KernelOptions
-from blink_jax.kernels import cuda_gemv, pallas_attention, pallas_norm, pallas_prefill
+from blink_jax.kernels import (blocked_attention, cpu_matmul, cuda_gemv, pallas_attention,
+                               pallas_norm, pallas_prefill)
 from blink_jax.model.gemma import StepKernels
 
 
@@ -43,6 +47,8 @@ def step_kernels(cfg, options: KernelOptions, rows: int, *, interpret: bool) -> 
   elif not decode and options.prefill == "pallas":
     kernels["attention"] = functools.partial(pallas_prefill.paged_prefill_attention,
                                              interpret=interpret)
+  elif (options.attention if decode else options.prefill) == "blocked":
+    kernels["attention"] = blocked_attention.paged_attention_blocked
   if pallas_norms and "prepare" not in kernels:
     kernels["prepare"] = functools.partial(pallas_norm.prepare_qkv, interpret=interpret)
   sums_partials = pallas_norms and pallas_norm.usable(cfg.d_model)
@@ -61,4 +67,10 @@ def step_kernels(cfg, options: KernelOptions, rows: int, *, interpret: bool) -> 
     kernels["ffw_down"] = use(cuda_gemv.ffw_down)
   if sums_partials and "out" in gemv and cuda_gemv.usable(rows, heads, width):
     kernels["out_project"] = use(cuda_gemv.out_project)
+  if interpret:  # not on a GPU
+    kernels.setdefault("qkv_matmul", cpu_matmul.matmul)
+    kernels.setdefault("gate_up_matmul", cpu_matmul.matmul)
+    kernels.setdefault("out_project", cpu_matmul.out_project)
+    kernels.setdefault("ffw_down", cpu_matmul.ffw_down)
+    kernels["logits"] = cpu_matmul.logits
   return StepKernels(**kernels)

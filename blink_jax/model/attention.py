@@ -58,6 +58,14 @@ def write_rows(kv_pages: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Ar
   slot; a slot one past the end is dropped (mode="drop"; a negative one would wrap)."""
   num_pages, page_size, width = kv_pages.shape
   flat = kv_pages.reshape(num_pages * page_size, width)
+  if slots.shape[0] == 1:
+    # XLA turns a one-row dropping scatter into a dynamic-update-slice plus a read of the old
+    # row, which its CPU backend does not update in place: it copied the whole cache, three
+    # times per layer and step. A second row, always dropped, keeps it a scatter, which is in
+    # place; the values written are the same (docs/NOTES.md, "Whole-cache copies on the CPU
+    # backend").
+    slots = jnp.concatenate([slots, jnp.full((1,), num_pages * page_size, slots.dtype)])
+    rows = jnp.concatenate([rows, jnp.zeros_like(rows)])
   flat = flat.at[slots].set(rows.astype(kv_pages.dtype), mode="drop")
   return flat.reshape(kv_pages.shape)
 

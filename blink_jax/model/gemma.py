@@ -34,6 +34,7 @@ KVCache = list[jax.Array]  # per layer kv_pages [P, page, 2 * K * h]: keys, then
 AttentionFn = Callable[..., jax.Array]  # the signature of paged_attention_reference
 AddNormFn = Callable[..., tuple[jax.Array, jax.Array]]  # the signature of add_rms_norm
 FfwDownFn = Callable[..., jax.Array]  # the signature of MLP.down_project (without self)
+LogitsFn = Callable[[jax.Array, jax.Array], jax.Array]  # (x [T, D], embed [V, D]) -> f32 [T, V]
 OutFn = Callable[..., jax.Array]  # (attention output, o weights [H, h, D], dtype) -> branch
 MatmulFn = Callable[[jax.Array, jax.Array], jax.Array]  # (x [T, K], w [K, N]) -> x @ w
 PrepareFn = Callable[..., tuple[jax.Array, jax.Array]]  # the signature of prepare_qkv
@@ -388,11 +389,15 @@ class Gemma(nnx.Module):
         x = x + rms_norm(sum_partials(h, x), layer.post_ffw_norm[...], eps)
     return x
 
-  def logits(self, hidden: jax.Array) -> jax.Array:
-    """hidden [..., D] -> float32 logits [..., V]: final norm, tied head, final softcap."""
+  def logits(self, hidden: jax.Array, logits_fn: "LogitsFn | None" = None) -> jax.Array:
+    """hidden [..., D] -> float32 logits [..., V]: final norm, tied head, final softcap.
+    logits_fn: the tied head's matmul (`StepKernels.logits`; default the einsum)."""
     x = rms_norm(hidden, self.final_norm[...], self.cfg.rms_norm_eps)
-    logits = jnp.einsum("...d,vd->...v", x, self.embed[...].astype(x.dtype),
-                        preferred_element_type=jnp.float32)
+    if logits_fn is None:
+      logits = jnp.einsum("...d,vd->...v", x, self.embed[...].astype(x.dtype),
+                          preferred_element_type=jnp.float32)
+    else:
+      logits = logits_fn(x, self.embed[...])
     return apply_softcap(logits, self.cfg.final_logit_softcap)
 
   def dense_forward(self, tokens: jax.Array) -> jax.Array:
@@ -471,6 +476,7 @@ class StepKernels:
   out_project: OutFn | None = None      # the attention output's projection (None: Attention.out)
   gate_up_matmul: MatmulFn | None = None  # the gate/up projection's matmul (None: `@`)
   ffw_down: FfwDownFn = MLP.down_project  # GELU(gate) x up, then the down projection
+  logits: LogitsFn | None = None          # the tied output layer (None: Gemma.logits' einsum)
 
 
 REFERENCE_KERNELS = StepKernels()
