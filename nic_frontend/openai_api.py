@@ -194,6 +194,38 @@ _NOOP_FIELDS = {
 }
 
 
+# ---- the body as a whole --------------------------------------------------------------------
+
+MAX_JSON_DEPTH = 32  # far deeper than any OpenAI request
+
+
+def check_json_values(body: Any) -> None:
+  """Rejects (400) a parsed body nested deeper than MAX_JSON_DEPTH or holding a string that is
+  not valid Unicode (a lone UTF-16 surrogate such as "\\ud800", which JSON allows and no
+  tokenizer encodes), naming the top-level field it is in. Iterative: any depth is safe."""
+  stack = [(body, 0, None)]
+  while stack:
+    v, depth, field = stack.pop()
+    if depth > MAX_JSON_DEPTH:
+      where = f"'{field}'" if field else "the request body"
+      raise ApiError(400, f"{where} is nested deeper than {MAX_JSON_DEPTH} levels",
+                     param=field, code="invalid_json")
+    if isinstance(v, str):
+      try:
+        v.encode("utf-8")
+      except UnicodeEncodeError:
+        where = f"'{field}'" if field else "the request body"
+        raise bad(field, f"{where} holds a string that is not valid Unicode (a lone "
+                         "surrogate)", "invalid_string") from None
+    elif isinstance(v, dict):
+      for k, x in v.items():
+        f = field if field is not None or depth else k
+        stack.append((k, depth + 1, f))
+        stack.append((x, depth + 1, f))
+    elif isinstance(v, list):
+      stack.extend((x, depth + 1, field) for x in v)
+
+
 # ---- common fields --------------------------------------------------------------------------
 
 def _model(body: dict, limits: Limits) -> str:

@@ -383,8 +383,12 @@ class FrontendConfig:
 
 
 def _json(data: Any, status: int = 200, headers: dict | None = None) -> web.Response:
-  return web.Response(body=json.dumps(data, ensure_ascii=False).encode(), status=status,
-                      content_type="application/json", headers=headers)
+  try:
+    raw = json.dumps(data, ensure_ascii=False).encode()
+  except UnicodeEncodeError:  # a lone surrogate (echoed from a URL, say): escaped instead
+    raw = json.dumps(data).encode()
+  return web.Response(body=raw, status=status, content_type="application/json",
+                      headers=headers)
 
 
 def _error_response(e: api.ApiError) -> web.Response:
@@ -453,6 +457,8 @@ class Frontend:
         self._check_key(request)
       resp = await handler(request)
     except api.ApiError as e:
+      log.info("%s %s: %d %s", request.method, request.path, e.status,
+               e.code or e.type)  # one line per rejected request, no traceback
       resp = _error_response(e)
     except web.HTTPException as e:
       if e.status < 400:
@@ -475,8 +481,10 @@ class Frontend:
   def _check_key(self, request: web.Request) -> None:
     auth = request.headers.get("Authorization", "")
     scheme, _, key = auth.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(),
-                                                             self.cfg.api_key.encode()):
+    # Header bytes that are not UTF-8 arrive as surrogate escapes: compare them as the bytes
+    # they were, so an odd header is a wrong key, not an encoding error.
+    given = key.strip().encode("utf-8", "surrogateescape")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given, self.cfg.api_key.encode()):
       raise api.ApiError(401, "Incorrect API key provided.", type="invalid_request_error",
                          code="invalid_api_key")
 
@@ -545,10 +553,15 @@ class Frontend:
       raise api.ApiError(413, f"request body too large: the limit is {limit} bytes",
                          code="request_too_large") from None
     try:
-      return json.loads(raw)
+      body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
       raise api.ApiError(400, f"the request body is not valid JSON: {e}",
                          code="invalid_json") from None
+    except RecursionError:
+      raise api.ApiError(400, "the request body is nested too deeply",
+                         code="invalid_json") from None
+    api.check_json_values(body)
+    return body
 
   # ---- generation ----
   async def completions(self, request: web.Request) -> web.StreamResponse:

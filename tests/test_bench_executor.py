@@ -54,7 +54,7 @@ def test_cpu_run_writes_rows_for_every_mode_and_batch(tmp_path):
   # BLINK_* environment is dumped.
   assert res["kernels"]["asked"] == {"attention": "auto", "prefill": "auto", "norm": "auto",
                                      "gemv": "none", "decode_rows": 8}
-  assert res["kernels"]["resolved"]["attention"] == "reference"
+  assert res["kernels"]["resolved"]["attention"] == "blocked"
   assert res["modes"]["persistent"]["kernels"]["gemv"] == "none"
   assert "blink_env" not in res
   assert res["command"].startswith("python -m bench.executor --config tiny")

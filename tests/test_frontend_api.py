@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import http.client
 import json
 import signal
@@ -545,6 +546,20 @@ BAD = [
      400, "max_completion_tokens", None),
     ("tools", "/v1/chat/completions", {**OK_CHAT, "tools": [{"type": "function"}]}, 400,
      "tools", None),
+    # Strings JSON allows but no tokenizer encodes (they were 500s), and nesting deep enough
+    # to exhaust the JSON parser's recursion (a 500 too).
+    ("prompt-surrogate", "/v1/completions", {**OK_C, "prompt": "a\ud800b"}, 400, "prompt",
+     "invalid_string"),
+    ("chat-surrogate", "/v1/chat/completions",
+     {**OK_CHAT, "messages": [{"role": "user", "content": "\udfff"}]}, 400, "messages",
+     "invalid_string"),
+    ("model-surrogate", "/v1/completions", {**OK_C, "model": "\ud800"}, 400, "model",
+     "invalid_string"),
+    ("deep-nesting", "/v1/completions",
+     b'{"model": "m", "prompt": ' + b"[" * 30_000 + b"]" * 30_000 + b"}", 400, None,
+     "invalid_json"),
+    ("nested-too-deep", "/v1/completions", {**OK_C, "user": functools.reduce(
+        lambda x, _: [x], range(40), [])}, 400, "user", "invalid_json"),
 ]
 
 
@@ -604,6 +619,15 @@ def test_http_level_errors(stack):
   for headers in ({"Authorization": "Bearer wrong"}, {"Authorization": "Basic abc"}, {}):
     s, h, b = stack.http("POST", "/v1/completions", OK_C, headers=headers, auth=False)
     err = _check_error(s, h, b, 401, code="invalid_api_key")
+  # A key of bytes that are not UTF-8 (http.client sends header values as latin-1): a wrong
+  # key, not a 500.
+  conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
+  conn.request("POST", "/v1/completions", body=json.dumps(OK_C).encode(),
+               headers={"Content-Type": "application/json", "Authorization": "Bearer \xff\xfe"})
+  r = conn.getresponse()
+  _check_error(r.status, dict(r.getheaders()), json.loads(r.read()), 401,
+               code="invalid_api_key")
+  conn.close()
   with pytest.raises(openai.AuthenticationError):
     openai.OpenAI(base_url=stack.base + "/v1", api_key="nope", max_retries=0).models.list()
   assert stack.http("GET", "/health", auth=False)[0] == 200
