@@ -165,24 +165,21 @@ class Executor:
       h = hidden[jnp.clip(b.rows, 0, rows - 1)]
       f32 = lambda bits: lax.bitcast_convert_type(bits, jnp.float32)  # noqa: E731
 
-      def sample_first(n):  # the first n samples
-        return sample(model.logits(h[:n], kernels.logits), f32(b.temperature[:n]),
-                      f32(b.top_p[:n]), b.top_k[:n], b.seed_lo[:n], b.seed_hi[:n],
-                      b.position[:n], b.num_logprobs[:n],
-                      (zeros[1][:n], zeros[2][:n], zeros[3][:n]), max_top=max_top)
-
       if self.device.platform == "gpu" or samples == 1:
-        tok, lp, tid, tlp = sample_first(samples)
+        logits = model.logits(h, kernels.logits)
       else:
         # Off the GPU a step with one sample (a prompt's last chunk alone, the usual prefill)
         # computes the output layer for one row: it is a CPU's largest matmul (the 270M in
         # float32: 26 ms at one row, 48 at eight). On a GPU it reads the same weights at any
-        # row count. The commit reads no sample past the step's count.
-        def one():
-          return jax.tree.map(lambda x: jnp.pad(x, [(0, samples - 1)] + [(0, 0)] * (x.ndim - 1)),
-                              sample_first(1))
-        tok, lp, tid, tlp = lax.cond(words[batch.NUM_SAMPLES] <= 1, one,
-                                     lambda: sample_first(samples))
+        # row count. The rows past the step's samples are zeros, and the commit reads none.
+        logits = lax.cond(
+            words[batch.NUM_SAMPLES] <= 1,
+            lambda: jnp.pad(model.logits(h[:1], kernels.logits), ((0, samples - 1), (0, 0))),
+            lambda: model.logits(h, kernels.logits))
+      tok, lp, tid, tlp = sample(logits, f32(b.temperature), f32(b.top_p), b.top_k, b.seed_lo,
+                                 b.seed_hi, b.position, b.num_logprobs,
+                                 (zeros[1][:samples], zeros[2][:samples], zeros[3][:samples]),
+                                 max_top=max_top)
       pad = s.max_seqs - samples
       rlp, rid, rtl = self._prompt_logprobs(model, kernels, hidden, b.targets, zeros[4:], rows)
       rpad = s.token_budget - rows
