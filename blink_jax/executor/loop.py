@@ -1,10 +1,11 @@
 """The executor: one XLA program that serves until the mailbox's shutdown word is set.
 
 Persistent mode: `jax.jit` of a `lax.while_loop` whose body is blink_schedule (FFI) -> the
-model step on the step's ragged batch (one `lax.switch` branch per token bucket; an empty step
-runs no model) -> blink_commit (FFI). KV pages, scheduler state, history and page tables are
-the loop carry (donated). On a GPU with the command-buffer flags the loop becomes a CUDA graph
-with a device-side WHILE node: after launch the host CPU does nothing.
+model step on the step's ragged batch (one `lax.switch` branch per token bucket, on a CPU one
+0/1-trip while loop per bucket; an empty step runs no model) -> blink_commit (FFI). KV pages,
+scheduler state, history and page tables are the loop carry (donated). On a GPU with the
+command-buffer flags the loop becomes a CUDA graph with a device-side WHILE node: after launch
+the host CPU does nothing.
 
 Host mode: the same step, jitted alone, driven by a Python loop that waits for every step (the
 conventional design of JetStream and vLLM); the baseline every benchmark compares to.
