@@ -1,10 +1,9 @@
 """The frontend's HTTP server: OpenAI-compatible endpoints over the mailbox (aiohttp).
 
 One frontend worker = one process = one `Frontend`: an aiohttp application and a
-`MailboxDriver`, the thread that owns this worker's side of the mailbox (its slot range and its
-doorbell). Handlers never touch the region: they hand requests to the driver and read their
-slots' output from asyncio queues the driver fills, so a blocking transport (TCP relay, RDMA)
-never stalls the event loop.
+`MailboxDriver` (`nic_frontend.driver`), the thread that owns this worker's side of the mailbox
+(its slot range and its doorbell). Handlers never touch the region: they hand requests to the
+driver and read their slots' output from asyncio queues the driver fills.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
 GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics.
@@ -12,13 +11,10 @@ GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics.
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import hmac
-import itertools
 import json
 import logging
-import threading
 import time
 from typing import Any
 
@@ -26,345 +22,18 @@ from aiohttp import web
 
 from blink_jax.client import mailbox
 from blink_jax.client import protocol
+from blink_jax.client.streaming import ChoiceDecoder, DeviceError
 
 from nic_frontend import openai_api as api
+from nic_frontend.driver import STATE_NAMES, DriverOptions, EngineUnavailable, Flight, MailboxDriver
 from nic_frontend.metrics import FrontendMetrics
-from blink_jax.client.streaming import ChoiceDecoder, DeviceError
 
 log = logging.getLogger("nic_frontend")
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
-STATE_NAMES = {protocol.EngineState.STARTING: "starting", protocol.EngineState.READY: "ready",
-               protocol.EngineState.STOPPED: "stopped"}
 
 
-class EngineUnavailable(Exception):
-  """The engine is not ready (starting, stopped) or the transport to it is down."""
 
-
-# ================================ the mailbox driver =========================================
-
-class Flight:
-  """One request in a slot, as the asyncio side sees it."""
-
-  __slots__ = ("loop", "queue", "submitted", "slot", "abandoned", "device_done", "request_id")
-
-  def __init__(self, loop: asyncio.AbstractEventLoop, request_id: int):
-    self.loop = loop
-    self.queue: asyncio.Queue = asyncio.Queue()
-    self.submitted: asyncio.Future = loop.create_future()
-    self.slot: int | None = None
-    self.abandoned = False
-    self.device_done = False  # the device finished it (set on the asyncio side on delivery)
-    self.request_id = request_id
-
-  async def next(self) -> mailbox.Output:
-    item = await self.queue.get()
-    if isinstance(item, BaseException):
-      raise item
-    if item.finished:
-      self.device_done = True
-    return item
-
-
-def _resolve(fut: asyncio.Future, value: Any = None, exc: BaseException | None = None) -> None:
-  if fut.done():
-    return
-  if exc is not None:
-    fut.set_exception(exc)
-  else:
-    fut.set_result(value)
-
-
-@dataclasses.dataclass
-class DriverOptions:
-  poll_min_s: float = 50e-6   # poll interval right after output arrived
-  poll_max_s: float = 500e-6  # ... backing off to this while requests wait for output
-  idle_s: float = 20e-3       # nothing in flight
-  header_s: float = 50e-3     # header (engine state, GPU counters) refresh
-  full_sweep_s: float = 10e-3  # poll every slot in flight at least this often (see _poll_active)
-  reconnect_max_s: float = 1.0  # back-off limit while the engine is unreachable
-
-
-# The GPU publishes these counters after every commit, once the ring entries and finishes of
-# the step are written: while they do not change there is no new output in any slot, and one
-# 32-byte read replaces a read per slot in flight (a round trip each on a remote transport).
-
-
-class MailboxDriver:
-  """The thread that owns this worker's side of the mailbox.
-
-  It is the only user of the region in this process: it submits and cancels on behalf of the
-  handlers, polls the output rings of the slots in flight and posts what it reads to each
-  request's asyncio queue, and keeps a snapshot of the header (engine state, GPU counters).
-  """
-
-  def __init__(self, region: mailbox.Region, *, worker: int = 0, num_workers: int | None = None,
-               metrics: FrontendMetrics | None = None, options: DriverOptions | None = None):
-    self.region = region
-    self.worker = worker
-    self.num_workers = num_workers
-    self.metrics = metrics
-    self.opt = options or DriverOptions()
-    self.client: mailbox.MailboxClient | None = None
-    self.header: dict | None = None
-    self.state: protocol.EngineState | None = None  # None: no valid header / transport down
-    self.last_error: str | None = None
-    self.loop: asyncio.AbstractEventLoop | None = None
-    self._cmds: collections.deque = collections.deque()
-    self._wake = threading.Event()
-    self._stop = threading.Event()
-    self._active: dict[int, Flight] = {}
-    self._thread: threading.Thread | None = None
-    self._last_header = 0.0
-    self._last_hint = b""
-    self._last_sweep = 0.0
-    self._failures = 0
-    self._ids = itertools.count(1)
-    self.slots_total = 0
-    self.slots_in_use = 0
-
-  # ---- lifecycle ----
-  def start(self, loop: asyncio.AbstractEventLoop) -> None:
-    self.loop = loop
-    self._thread = threading.Thread(target=self._run, name=f"blink-mailbox-{self.worker}",
-                                    daemon=True)
-    self._thread.start()
-
-  def stop(self, timeout: float = 5.0) -> None:
-    """Cancels what is still in flight on the device, waits (up to `timeout`) for the device to
-    finish those requests so their pages are freed, and stops the thread."""
-    if self._thread is None:
-      return
-    self._cmds.append(("drain", time.monotonic() + timeout))
-    self._wake.set()
-    self._thread.join(timeout + 5.0)
-    self._thread = None
-
-  @property
-  def in_flight(self) -> int:
-    return len(self._active)
-
-  def new_request_id(self) -> int:
-    return (self.worker << 48) | (next(self._ids) & ((1 << 48) - 1))
-
-  # ---- asyncio side ----
-  async def submit(self, req: mailbox.Request) -> Flight:
-    """Places `req` in a free slot of this worker. Raises SlotsFullError, EngineUnavailable."""
-    flight = Flight(asyncio.get_running_loop(), req.request_id)
-    self._cmds.append(("submit", flight, req))
-    self._wake.set()
-    try:
-      flight.slot = await flight.submitted
-    except asyncio.CancelledError:
-      self.abandon(flight, "disconnect")
-      raise
-    return flight
-
-  def abandon(self, flight: Flight, reason: str) -> None:
-    """Stops caring about `flight`: cancels it on the device unless it already finished; the
-    slot returns to the free list once the device has finished it."""
-    if flight.abandoned or flight.device_done:
-      return
-    flight.abandoned = True
-    self._cmds.append(("abandon", flight, reason))
-    self._wake.set()
-
-  # ---- the thread ----
-  def _post(self, fn, *args) -> None:
-    loop = self.loop
-    if loop is not None and not loop.is_closed():
-      try:
-        loop.call_soon_threadsafe(fn, *args)
-      except RuntimeError:  # loop closed meanwhile
-        pass
-
-  def _run(self) -> None:
-    interval = self.opt.poll_min_s
-    drain_deadline = None
-    while True:
-      self._wake.clear()
-      progressed = False
-      try:
-        if self.client is None:
-          self._connect()
-        if self.client is not None:
-          now = time.monotonic()
-          if now - self._last_header >= self.opt.header_s:
-            self._refresh_header(now)
-          drain_deadline = self._run_commands(drain_deadline)
-          progressed = self._poll_active()
-        else:
-          drain_deadline = self._run_commands(drain_deadline)
-      except Exception as e:  # transport failure: fail what is in flight, reconnect later
-        self._transport_failed(e)
-      if drain_deadline is not None and (not self._active or time.monotonic() > drain_deadline
-                                         or self.client is None):
-        break
-      if self.client is None:
-        interval = min(self.opt.header_s * 2 ** min(self._failures, 10),
-                       self.opt.reconnect_max_s)
-      elif progressed:
-        interval = self.opt.poll_min_s
-      elif self._active:
-        interval = min(interval * 2, self.opt.poll_max_s)
-      else:
-        interval = self.opt.idle_s
-      self._wake.wait(interval)
-    self._fail_all(EngineUnavailable("the frontend is shutting down"))
-
-  def _connect(self) -> None:
-    try:
-      h = mailbox.read_header(self.region)
-    except ValueError as e:  # no valid header yet: the engine is still creating it
-      self.state, self.header, self.last_error = None, None, str(e)
-      return
-    nw = self.num_workers or int(h["num_workers"]) or 1
-    if self.num_workers and int(h["num_workers"]) and self.num_workers > int(h["num_workers"]):
-      log.warning("worker %d: %d frontend workers but the mailbox header says %d; the "
-                  "device may be slow to see the extra workers' doorbells", self.worker,
-                  self.num_workers, int(h["num_workers"]))
-    if not 0 <= self.worker < nw:
-      raise ValueError(f"worker {self.worker} is outside 0..{nw - 1}")
-    self.client = mailbox.MailboxClient(self.region, self.worker, nw)
-    self.slots_total = len(self.client.slots)
-    if self.client.stale_slots:
-      log.warning("worker %d: cancelled %d requests a previous worker left in flight",
-                  self.worker, self.client.stale_slots)
-    self._refresh_header(time.monotonic())
-    if self._failures:
-      log.info("worker %d: connected to the mailbox again", self.worker)
-    self.last_error = None
-    self._failures = 0
-
-  def _refresh_header(self, now: float) -> None:
-    h = mailbox.read_header(self.region)
-    self.header = {name: (h[name].tolist()) for name in protocol.HEADER_DTYPE.names}
-    self._last_header = now
-    try:
-      self.state = protocol.EngineState(int(h["engine_state"]))
-    except ValueError:
-      self.state = None
-    if self.client is not None and self.client.stale_slots:
-      self.client.reclaim()
-    if self.state == protocol.EngineState.STOPPED and any(not f.abandoned
-                                                   for f in self._active.values()):
-      self._fail_all(EngineUnavailable("the engine stopped"), keep_slots=True)
-    self._update_slots()
-
-  def _update_slots(self) -> None:
-    if self.client is not None:
-      self.slots_in_use = self.slots_total - self.client.free_slots
-    if self.metrics is not None:
-      self.metrics.set_slots(self.slots_in_use, self.slots_total)
-
-  def _run_commands(self, drain_deadline):
-    while self._cmds:
-      cmd = self._cmds.popleft()
-      if cmd[0] == "submit":
-        _, flight, req = cmd
-        if drain_deadline is not None:
-          self._post(_resolve, flight.submitted, None,
-                     EngineUnavailable("the frontend is shutting down"))
-        elif self.client is None or self.state != protocol.EngineState.READY:
-          self._post(_resolve, flight.submitted, None, EngineUnavailable(self.state_text()))
-        else:
-          try:
-            slot = self.client.submit(req)
-          except (mailbox.SlotsFullError, ValueError) as e:
-            self._post(_resolve, flight.submitted, None, e)
-          else:
-            flight.slot = slot
-            self._active[slot] = flight
-            self._post(_resolve, flight.submitted, slot)
-            self._update_slots()
-      elif cmd[0] == "abandon":
-        _, flight, reason = cmd
-        if flight.slot is not None and self._active.get(flight.slot) is flight:
-          self.client.cancel(flight.slot)
-          if self.metrics is not None:
-            self.metrics.cancelled.labels(reason).inc()
-      elif cmd[0] == "drain":
-        drain_deadline = cmd[1]
-        for flight in list(self._active.values()):
-          if not flight.abandoned:
-            flight.abandoned = True
-            if self.metrics is not None:
-              self.metrics.cancelled.labels("shutdown").inc()
-            self._post(flight.queue.put_nowait,
-                       EngineUnavailable("the frontend is shutting down"))
-          if self.client is not None:
-            self.client.cancel(flight.slot)
-    return drain_deadline
-
-  def _poll_active(self) -> bool:
-    if not self._active:
-      return False
-    client = self.client
-    now = time.monotonic()
-    hint = client.progress()
-    if hint == self._last_hint and now - self._last_sweep < self.opt.full_sweep_s:
-      return False
-    self._last_hint, self._last_sweep = hint, now
-    delivered = []
-    finished = False
-    ring = client.geo.ring_capacity
-    for slot, out in client.poll_many(list(self._active)):
-      flight = self._active[slot]
-      if out.tokens and self.metrics is not None:
-        self.metrics.output_fill.observe(len(out.tokens) / ring)
-      if not flight.abandoned:
-        delivered.append((flight, out))
-      if out.finished:
-        client.release(slot)
-        del self._active[slot]
-        finished = True
-    if delivered:
-      self._post(_deliver, delivered)
-    if finished:
-      self._update_slots()
-    return bool(delivered) or finished
-
-  def _fail_all(self, exc: Exception, keep_slots: bool = False) -> None:
-    """Ends every request in flight with `exc`. keep_slots: the mailbox is still there (the
-    engine stopped): cancel them and keep polling, so a slot the device still finishes comes
-    back; otherwise (transport lost, shutdown) forget them."""
-    for flight in self._active.values():
-      if not flight.abandoned:
-        flight.abandoned = True
-        self._post(flight.queue.put_nowait, exc)
-        if keep_slots:
-          self.client.cancel(flight.slot)
-    if not keep_slots:
-      self._active.clear()
-    while self._cmds:
-      cmd = self._cmds.popleft()
-      if cmd[0] == "submit":
-        self._post(_resolve, cmd[1].submitted, None, exc)
-
-  def _transport_failed(self, e: Exception) -> None:
-    if self._failures == 0:
-      log.error("worker %d: mailbox transport failed: %s (reconnecting)", self.worker, e)
-    self._failures += 1
-    self.last_error = f"{type(e).__name__}: {e}"
-    self.state, self.client = None, None
-    self._fail_all(EngineUnavailable(f"lost the connection to the engine ({e})"))
-    self.slots_in_use = 0
-    self._update_slots()
-
-  def state_text(self) -> str:
-    if self.state is None:
-      why = f": {self.last_error}" if self.last_error else ""
-      return f"the engine is unreachable or not initialized{why}"
-    return f"the engine is {STATE_NAMES.get(self.state, str(self.state))}"
-
-
-def _deliver(items) -> None:
-  for flight, out in items:
-    flight.queue.put_nowait(out)
-
-
-# ================================ the HTTP side ==============================================
 
 @dataclasses.dataclass
 class FrontendConfig:
