@@ -55,17 +55,12 @@ def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
 def run_transformers(gguf, dtype: str, ps: list[list[int]]) -> dict:
   import torch
 
-  from bench.hf_reference import hf_gemma_from_gguf
+  from bench.hf_reference import hf_gemma_from_gguf, timed_generate
   model, _ = hf_gemma_from_gguf(gguf, getattr(torch, dtype))
 
   def gen(batch, n):
     ids = torch.tensor(batch)
-    t = time.perf_counter()
-    with torch.inference_mode():
-      out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                           min_new_tokens=n, do_sample=False)
-    assert out.shape[1] == ids.shape[1] + n
-    return time.perf_counter() - t
+    return timed_generate(model, ids, n, attention_mask=torch.ones_like(ids))
 
   t0 = time.perf_counter()
   gen(ps[:1], 2)  # warm-up

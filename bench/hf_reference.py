@@ -90,6 +90,18 @@ def generate_compile_kwargs(mode: str) -> dict:
   return {"compile_config": CompileConfig(mode=mode)}
 
 
+def timed_generate(model, ids, n: int, sync=lambda: None, **kwargs) -> float:
+  """Seconds `model.generate` takes to add exactly `n` greedy tokens to `ids` (a batch)."""
+  import torch
+  sync()
+  t = time.perf_counter()
+  with torch.inference_mode():
+    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kwargs)
+  sync()
+  assert out.shape[1] == ids.shape[1] + n
+  return time.perf_counter() - t
+
+
 def main(argv):
   del argv
   import torch
@@ -106,13 +118,8 @@ def main(argv):
     compile_kwargs = generate_compile_kwargs(mode)
 
     def gen(n):
-      sync()
-      t = time.perf_counter()
-      with torch.inference_mode():
-        model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                       cache_implementation="static", **compile_kwargs)
-      sync()
-      return time.perf_counter() - t
+      return timed_generate(model, prompt, n, sync, cache_implementation="static",
+                            **compile_kwargs)
 
     try:
       gen(FLAGS.tokens)  # warm-up (and compilation)

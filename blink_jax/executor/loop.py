@@ -85,6 +85,10 @@ class Executor:
     self.sched = sched
     self.max_top = max_top_logprobs
     self.device = device or jax.devices()[0]
+    # The one place the executor picks its form: on a GPU lax.switch branches, a cache in the
+    # model's dtype, Pallas/CUDA kernels and the whole output layer every step; elsewhere the
+    # forms XLA's CPU runtime runs well (docs/ARCHITECTURE.md, "On the CPU").
+    self.on_gpu = self.device.platform == "gpu"
     asked = kernels or KernelOptions()
     self.kernels = asked.resolved(self.device.platform)
     # Kernel families "auto" put on Pallas: if they fail to compile, `compile` falls back.
@@ -138,7 +142,7 @@ class Executor:
     and scatters 16-bit floats through float32 copies of the whole cache, every layer and
     step (a bfloat16 token of the 270M cost 290 instead of 60 ms); a float32 cache holds the
     same values, since the rows written are rounded to the model's dtype first."""
-    return self.model.dtype if self.device.platform == "gpu" else jnp.float32
+    return self.model.dtype if self.on_gpu else jnp.float32
 
   def initial_carry(self) -> Carry:
     s = self.sched
@@ -160,13 +164,13 @@ class Executor:
       model = self._model(params)
       b = batch.split(words, s.token_budget, s.max_seqs, rows, samples)
       kernels = step_kernels(model.cfg, self.kernels, rows,
-                             interpret=self.device.platform != "gpu")
+                             interpret=not self.on_gpu)
       hidden, kv = model.forward(b.tokens, b.positions, b.seq_ids, page_table, kv, kernels,
                                  fused=fused)
       h = hidden[jnp.clip(b.rows, 0, rows - 1)]
       f32 = lambda bits: lax.bitcast_convert_type(bits, jnp.float32)  # noqa: E731
 
-      if self.device.platform == "gpu" or samples == 1:
+      if self.on_gpu or samples == 1:
         logits = model.logits(h, kernels.logits)
       else:
         # Off the GPU a step with one sample (a prompt's last chunk alone, the usual prefill)
@@ -215,7 +219,7 @@ class Executor:
     separate buffers, so there a switch copied every layer's cache, even in the empty branch
     of an idle step: instead each bucket branch is a `lax.while_loop` that runs 0 or 1 times,
     whose carry is one buffer (docs/NOTES.md, "Whole-cache copies on the CPU backend")."""
-    if self.device.platform == "gpu":
+    if self.on_gpu:
       return lax.switch(index, branches, params, words, page_table, kv)
     outs = tuple(branches[0](params, words, page_table, kv)[:-1])
     # The barrier ties the batch (words, page table) to the loop-variant cache: without it XLA
@@ -267,7 +271,7 @@ class Executor:
     t0 = time.perf_counter()
     lowered = fn.lower(self.inputs, carry)
     options = {}
-    if mode == "host" and self.device.platform == "gpu":
+    if mode == "host" and self.on_gpu:
       options.update(xla_flags.host_options())
     with capture_stderr() as log_text:
       compiled = lowered.compile(compiler_options=options or None)
