@@ -87,7 +87,7 @@ class Executor:
     self.device = device or jax.devices()[0]
     # The one place the executor picks its form: on a GPU lax.switch branches, a cache in the
     # model's dtype, Pallas/CUDA kernels and the whole output layer every step; elsewhere the
-    # forms XLA's CPU runtime runs well (docs/ARCHITECTURE.md, "On the CPU").
+    # forms XLA's CPU runtime runs well (docs/ARCHITECTURE.md, "The persistent loop").
     self.on_gpu = self.device.platform == "gpu"
     asked = kernels or KernelOptions()
     self.kernels = asked.resolved(self.device.platform)
