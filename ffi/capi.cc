@@ -226,6 +226,27 @@ const char* blink_state_check(const int64_t* cfg, int32_t* state, int32_t* page_
   return g_message.c_str();
 }
 
+// Word offsets of the state's regions and indices of the lane fields and scalars that the
+// scheduler race test (tests/test_scheduler_race.py) reads from a returned state, as
+// "name=value;..." (test hook: the layout stays private to sched_state.h otherwise).
+// Lane field f of lane l is word lanes + f * max_seqs + l.
+const char* blink_state_layout(const int64_t* cfg) {
+  const BlinkSchedConfig& c = as_config(cfg);
+  BlinkStateLayout lay(c);
+  char b[640];
+  snprintf(b, sizeof b,
+           "scalars=%lld;lanes=%lld;stop_ids=%lld;new_lanes=%lld;total=%lld;max_stop_ids=%d;"
+           "s.num_admitted=%d;l.state=%d;l.slot=%d;l.seq=%d;l.len=%d;l.prompt_len=%d;"
+           "l.generated=%d;l.max_tokens=%d;l.flags=%d;l.temperature=%d;l.top_p=%d;l.top_k=%d;"
+           "l.num_logprobs=%d;l.num_stop=%d;l.out_count=%d;",
+           (long long)lay.scalars, (long long)lay.lanes, (long long)lay.stop_ids,
+           (long long)lay.new_lanes, (long long)lay.total, BLINK_MAX_STOP_IDS, S_NUM_ADMITTED,
+           L_STATE, L_SLOT, L_SEQ, L_LEN, L_PROMPT_LEN, L_GENERATED, L_MAX_TOKENS, L_FLAGS,
+           L_TEMPERATURE, L_TOP_P, L_TOP_K, L_NUM_LOGPROBS, L_NUM_STOP, L_OUT_COUNT);
+  g_message = b;
+  return g_message.c_str();
+}
+
 // Scheduler counters and scalars, for tests and engine stats.
 void blink_state_summary(const int64_t* cfg, const int32_t* state, int64_t* out16) {
   const BlinkSchedConfig& c = as_config(cfg);

@@ -39,7 +39,10 @@
 //
 // The GPU trusts nothing here: every request field is validated on the device and a bad
 // request is FINISHED with FINISH_ERROR and an error code (see BlinkError), touching nothing
-// else.
+// else. A frontend may also change a request while the device reads it, so the device loads
+// each field once into its own copy (BlinkRequestCopy, scheduler.h), validates that copy and
+// uses only it; each prompt token is loaded once, checked and kept. A request changed
+// meanwhile is then just another request, checked like any other.
 #pragma once
 #include <stdint.h>
 

@@ -24,6 +24,34 @@ struct BlinkStepOutputs {
   int64_t top_cols;
 };
 
+// Fixed-count loops over a request's stop ids are unrolled on the device, so that
+// BlinkRequestCopy stays in registers (no local-memory array).
+#ifdef __CUDA_ARCH__
+#define BLINK_UNROLL _Pragma("unroll")
+#else
+#define BLINK_UNROLL
+#endif
+
+// A slot's request as the device took it: every field the scheduler uses, loaded once from
+// the mailbox (BlinkSched::load_request). The mailbox is untrusted and a writer may change it
+// at any moment, also between two loads of one field (docs/ARCHITECTURE.md, "The mailbox
+// contract"): so the device validates this copy and admits, sets up the lane, copies stop
+// ids and sizes the first chunk from the copy alone, never from a second load; a request
+// changed in between is simply the request the device took. Fields keep their mailbox
+// types; the floats stay bits.
+struct BlinkRequestCopy {
+  uint32_t prompt_len;
+  uint32_t max_tokens;
+  uint32_t temperature;   // float bits
+  uint32_t top_p;         // float bits
+  uint32_t top_k;         // int32 bits
+  uint32_t num_logprobs;
+  uint32_t flags;
+  uint32_t num_stop_ids;
+  uint64_t seed;
+  int32_t stop_ids[BLINK_MAX_STOP_IDS];  // all of them: entries past num_stop_ids are unused
+};
+
 // A compact copy of the hot state (what the CUDA kernels keep in shared memory), in int32
 // words: [counters + scalars | lane table | 4 per-lane scratch arrays].
 struct BlinkHotLayout {
@@ -171,41 +199,62 @@ struct BlinkSched {
     counter(C_PREEMPTIONS)++;
   }
 
-  // Validates the request of `slot`; returns a BlinkError.
-  BLINK_HD uint32_t validate(int64_t slot) const {
+  // The only reads of a slot's request fields (seq, cancel and consumed, the handshake words,
+  // are read where they are used; the prompt tokens by copy_prompts). Loads every field,
+  // unconditionally and independent of each other, so that on the GPU they are in flight
+  // together: one PCIe round trip, not one per field.
+  BLINK_HD BlinkRequestCopy load_request(int64_t slot) const {
     const uint8_t* r = req(slot);
-    uint32_t plen = blink_load<uint32_t>(r + REQ_OFF(prompt_len));
+    BlinkRequestCopy q;
+    q.prompt_len = blink_load<uint32_t>(r + REQ_OFF(prompt_len));
+    q.max_tokens = blink_load<uint32_t>(r + REQ_OFF(max_tokens));
+    q.temperature = blink_load<uint32_t>(r + REQ_OFF(temperature));
+    q.top_p = blink_load<uint32_t>(r + REQ_OFF(top_p));
+    q.top_k = blink_load<uint32_t>(r + REQ_OFF(top_k));
+    q.num_logprobs = blink_load<uint32_t>(r + REQ_OFF(num_logprobs));
+    q.flags = blink_load<uint32_t>(r + REQ_OFF(flags));
+    q.num_stop_ids = blink_load<uint32_t>(r + REQ_OFF(num_stop_ids));
+    q.seed = blink_load<uint64_t>(r + REQ_OFF(seed));
+    BLINK_UNROLL
+    for (int i = 0; i < BLINK_MAX_STOP_IDS; ++i)
+      q.stop_ids[i] = int32_t(blink_load<uint32_t>(r + REQ_OFF(stop_ids) + 4 * i));
+    return q;
+  }
+
+  // Validates a request copy; returns a BlinkError. A copy that passes has
+  // 1 <= prompt_len <= max_prompt, prompt_len < max_context, num_stop_ids <= BLINK_MAX_STOP_IDS
+  // and num_logprobs <= max_top_logprobs: the bounds admit and copy_prompts index with.
+  BLINK_HD uint32_t validate(const BlinkRequestCopy& q) const {
+    const uint32_t plen = q.prompt_len;
     if (plen == 0 || plen > uint32_t(c.max_prompt) || int64_t(plen) >= c.max_context)
       return BLINK_ERR_PROMPT_LENGTH;
-    if (blink_load<uint32_t>(r + REQ_OFF(max_tokens)) == 0) return BLINK_ERR_MAX_TOKENS;
-    float t = blink_bits_to_float(blink_load<uint32_t>(r + REQ_OFF(temperature)));
+    if (q.max_tokens == 0) return BLINK_ERR_MAX_TOKENS;
+    const float t = blink_bits_to_float(q.temperature);
     if (!(t >= 0.0f && t <= 3.0e38f)) return BLINK_ERR_TEMPERATURE;  // NaN/inf fail too
-    float p = blink_bits_to_float(blink_load<uint32_t>(r + REQ_OFF(top_p)));
+    const float p = blink_bits_to_float(q.top_p);
     if (!(p > 0.0f && p <= 1.0f)) return BLINK_ERR_TOP_P;
-    if (int32_t(blink_load<uint32_t>(r + REQ_OFF(top_k))) < 0) return BLINK_ERR_TOP_K;
-    uint32_t ns = blink_load<uint32_t>(r + REQ_OFF(num_stop_ids));
-    if (ns > BLINK_MAX_STOP_IDS) return BLINK_ERR_STOP_IDS;
-    for (uint32_t i = 0; i < ns; ++i) {
-      int32_t id = int32_t(blink_load<uint32_t>(r + REQ_OFF(stop_ids) + 4 * i));
-      if (id < 0 || id >= c.vocab_size) return BLINK_ERR_STOP_IDS;
-    }
-    if (blink_load<uint32_t>(r + REQ_OFF(num_logprobs)) > uint32_t(c.max_top_logprobs))
-      return BLINK_ERR_LOGPROBS;
-    uint32_t flags = blink_load<uint32_t>(r + REQ_OFF(flags));
-    if (flags & ~BLINK_FLAGS_KNOWN) return BLINK_ERR_FLAGS;
-    if ((flags & BLINK_FLAG_PROMPT_LOGPROBS) && c.ring_capacity < 2) return BLINK_ERR_FLAGS;
+    if (int32_t(q.top_k) < 0) return BLINK_ERR_TOP_K;
+    if (q.num_stop_ids > BLINK_MAX_STOP_IDS) return BLINK_ERR_STOP_IDS;
+    bool stops_ok = true;
+    BLINK_UNROLL
+    for (int i = 0; i < BLINK_MAX_STOP_IDS; ++i)
+      if (uint32_t(i) < q.num_stop_ids && (q.stop_ids[i] < 0 || q.stop_ids[i] >= c.vocab_size))
+        stops_ok = false;
+    if (!stops_ok) return BLINK_ERR_STOP_IDS;
+    if (q.num_logprobs > uint32_t(c.max_top_logprobs)) return BLINK_ERR_LOGPROBS;
+    if (q.flags & ~BLINK_FLAGS_KNOWN) return BLINK_ERR_FLAGS;
+    if ((q.flags & BLINK_FLAG_PROMPT_LOGPROBS) && c.ring_capacity < 2) return BLINK_ERR_FLAGS;
     return BLINK_ERR_NONE;
   }
 
-  // Takes a free lane for the request of `slot` (validated) and schedules its first chunk of
-  // `n` tokens; pages were checked by the caller.
-  BLINK_HD void admit(int64_t slot, uint32_t seq, int64_t n) const {
-    const uint8_t* r = req(slot);
+  // Takes a free lane for the request `q` of `slot` (its validated copy: nothing here reads
+  // the mailbox's request again) and schedules its first chunk of `n` tokens; pages were
+  // checked by the caller.
+  BLINK_HD void admit(int64_t slot, uint32_t seq, int64_t n, const BlinkRequestCopy& q) const {
     int32_t l = region(lay.free_lanes)[--s(S_FREE_LANES)];
-    int32_t plen = int32_t(blink_load<uint32_t>(r + REQ_OFF(prompt_len)));
-    int64_t max_new = c.max_context - plen;
-    int64_t mt = blink_load<uint32_t>(r + REQ_OFF(max_tokens));
-    uint64_t seed = blink_load<uint64_t>(r + REQ_OFF(seed));
+    const int32_t plen = int32_t(q.prompt_len);  // validated: in [1, max_prompt], < max_context
+    const int64_t max_new = c.max_context - plen;
+    const int64_t mt = q.max_tokens;
     lane(L_STATE, l) = LANE_ACTIVE;
     lane(L_SLOT, l) = int32_t(slot);
     lane(L_SEQ, l) = int32_t(seq);
@@ -216,18 +265,20 @@ struct BlinkSched {
     lane(L_MAX_TOKENS, l) = int32_t(mt < max_new ? mt : max_new);
     lane(L_PAGES, l) = 0;
     lane(L_TICKET, l) = s(S_NEXT_TICKET)++;
-    lane(L_FLAGS, l) = int32_t(blink_load<uint32_t>(r + REQ_OFF(flags)));
-    lane(L_TEMPERATURE, l) = int32_t(blink_load<uint32_t>(r + REQ_OFF(temperature)));
-    lane(L_TOP_P, l) = int32_t(blink_load<uint32_t>(r + REQ_OFF(top_p)));
-    lane(L_TOP_K, l) = int32_t(blink_load<uint32_t>(r + REQ_OFF(top_k)));
-    lane(L_SEED_LO, l) = int32_t(uint32_t(seed));
-    lane(L_SEED_HI, l) = int32_t(uint32_t(seed >> 32));
-    lane(L_NUM_LOGPROBS, l) = int32_t(blink_load<uint32_t>(r + REQ_OFF(num_logprobs)));
-    int32_t ns = int32_t(blink_load<uint32_t>(r + REQ_OFF(num_stop_ids)));
+    lane(L_FLAGS, l) = int32_t(q.flags);
+    lane(L_TEMPERATURE, l) = int32_t(q.temperature);
+    lane(L_TOP_P, l) = int32_t(q.top_p);
+    lane(L_TOP_K, l) = int32_t(q.top_k);
+    lane(L_SEED_LO, l) = int32_t(uint32_t(q.seed));
+    lane(L_SEED_HI, l) = int32_t(uint32_t(q.seed >> 32));
+    lane(L_NUM_LOGPROBS, l) = int32_t(q.num_logprobs);
+    // Validated: num_stop_ids <= BLINK_MAX_STOP_IDS, so the copy stays in lane l's row.
+    const int32_t ns = int32_t(q.num_stop_ids);
     lane(L_NUM_STOP, l) = ns;
-    for (int32_t i = 0; i < ns; ++i)
-      region(lay.stop_ids)[l * BLINK_MAX_STOP_IDS + i] =
-          int32_t(blink_load<uint32_t>(r + REQ_OFF(stop_ids) + 4 * i));
+    int32_t* stops = region(lay.stop_ids) + int64_t(l) * BLINK_MAX_STOP_IDS;
+    BLINK_UNROLL
+    for (int i = 0; i < BLINK_MAX_STOP_IDS; ++i)
+      if (i < ns) stops[i] = q.stop_ids[i];
     lane(L_OUT_COUNT, l) = 0;
     lane(L_CONSUMED, l) = 0;
     lane(L_FINISH, l) = BLINK_FINISH_NONE;
@@ -404,6 +455,10 @@ struct BlinkSched {
       lane(L_TMP, l) = 0;
       if (lane(L_STATE, l) == LANE_FREE) return;
       int64_t sl = lane(L_SLOT, l);
+      // consumed is untrusted too, but bounds nothing: ring_free() is at most ring_capacity
+      // whatever it holds (a uint32 difference) and ring indices are taken modulo
+      // ring_capacity, so a bad count only stalls this request or overwrites its own unread
+      // entries. The cancel word is only compared with the lane's seq.
       if (!ring_has_room(l) || (wants_prompt_logprobs(l) && needs_prefill(l)))
         lane(L_CONSUMED, l) = int32_t(req_u32(sl, REQ_OFF(consumed)));
       if (rang && req_u32(sl, REQ_OFF(cancel)) == uint32_t(lane(L_SEQ, l)) &&
@@ -511,24 +566,32 @@ struct BlinkSched {
         finish_slot(slot, seq, BLINK_FINISH_CANCELLED, BLINK_ERR_NONE);
         continue;
       }
-      uint32_t err = validate(slot);
+      // One snapshot of the request, validated and then used for everything below and in
+      // admit (a request left in the queue is read afresh at its next attempt).
+      const BlinkRequestCopy q = load_request(slot);
+      uint32_t err = validate(q);
       if (err != BLINK_ERR_NONE) {
         s(S_Q_HEAD)++;
         finish_slot(slot, seq, BLINK_FINISH_ERROR, err);
         continue;
       }
       if (s(S_FREE_LANES) == 0) break;
-      int64_t plen = req_u32(slot, REQ_OFF(prompt_len));
+      int64_t plen = q.prompt_len;
       int64_t n = plen < left ? plen : left;
-      if ((req_u32(slot, REQ_OFF(flags)) & BLINK_FLAG_PROMPT_LOGPROBS) && n > c.ring_capacity - 1)
+      if ((q.flags & BLINK_FLAG_PROMPT_LOGPROBS) && n > c.ring_capacity - 1)
         n = c.ring_capacity - 1;  // each prompt row writes an entry (see fit_ring)
       if (pages_for(n) > s(S_FREE_COUNT)) break;
       s(S_Q_HEAD)++;
-      admit(slot, seq, n);
+      admit(slot, seq, n, q);
     }
   }
 
   // Copies the prompts of newly admitted lanes into their history, checking every token id.
+  // Each token is loaded once and the checked value is what the history keeps, so a writer
+  // that changes the prompt meanwhile changes the request, never the check
+  // (docs/ARCHITECTURE.md, "The mailbox contract"). The length is the lane's, which admit
+  // took from the validated copy (<= max_prompt and < max_context): the loads stay inside
+  // the slot's prompt area and the stores inside lane l's history row.
   template <class X>
   BLINK_HD void copy_prompts(const X& x) const {
     for (int32_t k = 0; k < s(S_NUM_ADMITTED); ++k) {
