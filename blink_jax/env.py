@@ -12,7 +12,7 @@ module of blink_jax or nic_frontend touches `os.environ`.
 | BLINK_COMMAND_BUFFER_TYPES | the command types of the persistent loop's CUDA graph (default `xla_flags.COMMAND_TYPES`) |
 | BLINK_HOST_COMMAND_BUFFER_TYPES | the same for host mode's step |
 | BLINK_HOST_MIN_GRAPH_SIZE | host mode's smallest run of commands put into a CUDA graph |
-| BLINK_API_KEY | the API key of the HTTP frontend when `--api_key` is not given |
+| BLINK_API_KEY | the API key of the HTTP frontend when neither `--api_key_file` nor `--api_key` is given; `serve.py` hands it to its frontend workers this way (never on a command line, which `ps` shows) |
 | BLINK_RELAY_TOKEN | the tcp relay's shared secret, handed by `serve.py` to its frontend workers |
 | PROMETHEUS_MULTIPROC_DIR | prometheus-client's folder for metrics of several frontend workers |
 | XLA_FLAGS, TF_CPP_VMODULE, TF_CPP_MIN_LOG_LEVEL | XLA's own: set by `xla_flags.configure_command_buffers` before JAX starts |

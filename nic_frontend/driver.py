@@ -4,6 +4,14 @@ It submits and cancels on behalf of the HTTP handlers (`nic_frontend.server`), p
 rings of the slots in flight and posts what it reads to each request's asyncio queue, and keeps
 a snapshot of the header (engine state, GPU counters). Handlers never touch the region, so a
 blocking transport (TCP relay, RDMA) never stalls the event loop.
+
+Two things besides: a request that finds every slot of this worker in use waits in a FIFO
+queue (`DriverOptions.max_queued`, `queue_timeout_s`) for the next slot this worker frees; and
+the engine's liveness: the device publishes its counters (loop_iterations, steps, tokens, ...)
+after every schedule and every commit, and an idle loop still goes round every idle_poll_us,
+so a READY engine whose counters stay unchanged for `engine_stall_s` is stalled (the engine
+process stopped or hung): what is in flight or queued ends with an error, new requests are
+refused, until the counters move again.
 """
 from __future__ import annotations
 
@@ -28,8 +36,12 @@ STATE_NAMES = {protocol.EngineState.STARTING: "starting", protocol.EngineState.R
 
 
 class EngineUnavailable(Exception):
-  """The engine is not ready (starting, stopped) or the transport to it is down."""
+  """The engine is not ready (starting, stopped, stalled, gone), the transport to it is down,
+  or the frontend is shutting down. `code`: the OpenAI-style error code clients get."""
 
+  def __init__(self, message: str, code: str = "engine_unavailable"):
+    super().__init__(message)
+    self.code = code
 
 
 class Flight:
@@ -72,6 +84,20 @@ class DriverOptions:
   header_s: float = 50e-3     # header (engine state, GPU counters) refresh
   full_sweep_s: float = 10e-3  # poll every slot in flight at least this often (see _poll_active)
   reconnect_max_s: float = 1.0  # back-off limit while the engine is unreachable
+  # READY but none of the device's counters moved for this long: the engine is stalled (0:
+  # never). It must exceed the longest step (one schedule -> model -> commit; a long prompt is
+  # prefilled in steps of at most the token budget, each of which moves the counters).
+  engine_stall_s: float = 10.0
+  # With every slot of this worker in use, up to max_queued requests wait (FIFO) for the next
+  # slot it frees, each at most queue_timeout_s; beyond either: SlotsFullError (429).
+  max_queued: int = 0
+  queue_timeout_s: float = 30.0
+
+
+# Header counters that move whenever the device loop goes round (every schedule and commit;
+# an idle loop still iterates every idle_poll_us).
+PROGRESS_COUNTERS = ("loop_iterations", "steps", "tokens_generated", "prompt_tokens",
+                     "requests_admitted", "requests_finished", "requests_cancelled")
 
 
 # The GPU publishes these counters after every commit, once the ring entries and finishes of
@@ -111,6 +137,13 @@ class MailboxDriver:
     self._ids = itertools.count(1)
     self.slots_total = 0
     self.slots_in_use = 0
+    self.stalled = False  # READY, but no progress for engine_stall_s
+    self.failed: EngineUnavailable | None = None  # fail_all(): every request is refused so
+    self._waiting: collections.deque = collections.deque()  # (flight, request, deadline)
+    self._progress_sig: tuple | None = None
+    self._progress_at = 0.0
+    self._progress_check: float | None = None
+    self._closed = False
 
   # ---- lifecycle ----
   def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -126,19 +159,33 @@ class MailboxDriver:
       return
     self._cmds.append(("drain", time.monotonic() + timeout))
     self._wake.set()
-    self._thread.join(timeout + 5.0)
+    self._thread.join(timeout + 1.0)
     self._thread = None
+
+  def fail_all(self, exc: EngineUnavailable) -> None:
+    """Ends every request in flight (an error event, or a 503 if nothing was sent yet) and every
+    queued one with `exc`, cancels them on the device, and refuses new requests with it from
+    now on (shutdown past its grace period, the engine process gone)."""
+    self._cmds.append(("fail", exc))
+    self._wake.set()
 
   @property
   def in_flight(self) -> int:
     return len(self._active)
+
+  @property
+  def queued(self) -> int:
+    return len(self._waiting)
 
   def new_request_id(self) -> int:
     return (self.worker << 48) | (next(self._ids) & ((1 << 48) - 1))
 
   # ---- asyncio side ----
   async def submit(self, req: mailbox.Request) -> Flight:
-    """Places `req` in a free slot of this worker. Raises SlotsFullError, EngineUnavailable."""
+    """Places `req` in a free slot of this worker, waiting in the FIFO queue if they are all in
+    use (`max_queued`, `queue_timeout_s`). Raises SlotsFullError, EngineUnavailable."""
+    if self._closed:
+      raise EngineUnavailable("the frontend is shutting down", code="shutting_down")
     flight = Flight(asyncio.get_running_loop(), req.request_id)
     self._cmds.append(("submit", flight, req))
     self._wake.set()
@@ -182,6 +229,8 @@ class MailboxDriver:
             self._refresh_header(now)
           drain_deadline = self._run_commands(drain_deadline)
           progressed = self._poll_active()
+          if self._waiting:
+            self._admit_waiting(time.monotonic())
         else:
           drain_deadline = self._run_commands(drain_deadline)
       except Exception as e:  # transport failure: fail what is in flight, reconnect later
@@ -199,7 +248,13 @@ class MailboxDriver:
       else:
         interval = self.opt.idle_s
       self._wake.wait(interval)
-    self._fail_all(EngineUnavailable("the frontend is shutting down"))
+    self._closed = True
+    self._fail_all(EngineUnavailable("the frontend is shutting down", code="shutting_down"))
+    while self._cmds:  # submits that came in meanwhile
+      cmd = self._cmds.popleft()
+      if cmd[0] == "submit":
+        self._post(_resolve, cmd[1].submitted, None,
+                   EngineUnavailable("the frontend is shutting down", code="shutting_down"))
 
   def _connect(self) -> None:
     try:
@@ -220,6 +275,8 @@ class MailboxDriver:
       log.warning("worker %d: cancelled %d requests a previous worker left in flight",
                   self.worker, self.client.stale_slots)
     self._refresh_header(time.monotonic())
+    log.info("worker %d owns slots %d..%d of the mailbox's %d", self.worker,
+             self.client.slots.start, self.client.slots.stop - 1, self.client.geo.num_slots)
     if self._failures:
       log.info("worker %d: connected to the mailbox again", self.worker)
     self.last_error = None
@@ -235,10 +292,52 @@ class MailboxDriver:
       self.state = None
     if self.client is not None and self.client.stale_slots:
       self.client.reclaim()
-    if self.state == protocol.EngineState.STOPPED and any(not f.abandoned
-                                                   for f in self._active.values()):
+    if self.state == protocol.EngineState.STOPPED and (
+        self._waiting or any(not f.abandoned for f in self._active.values())):
       self._fail_all(EngineUnavailable("the engine stopped"), keep_slots=True)
+    self._check_progress(now)
     self._update_slots()
+
+  def _check_progress(self, now: float) -> None:
+    """The stall detector: READY and none of PROGRESS_COUNTERS moved for engine_stall_s."""
+    stall_s = self.opt.engine_stall_s
+    if self.state != protocol.EngineState.READY or stall_s <= 0 or self.header is None:
+      self._progress_sig, self._progress_check = None, None
+      self.stalled = False
+      return
+    sig = tuple(self.header[k] for k in PROGRESS_COUNTERS)
+    last, self._progress_check = self._progress_check, now
+    # A long gap since our own last look means this process did not run (it was stopped):
+    # then nothing can be said about the engine, and the clock restarts.
+    if sig != self._progress_sig or last is None or now - last > max(1.0, stall_s / 2):
+      self._progress_sig, self._progress_at = sig, now
+      if self.stalled:
+        self.stalled = False
+        log.warning("worker %d: the engine is making progress again", self.worker)
+      return
+    if not self.stalled and now - self._progress_at >= stall_s:
+      self.stalled = True
+      log.error("worker %d: the engine made no progress for %.1fs (its loop counters did not "
+                "move): failing %d requests in flight and %d queued", self.worker,
+                now - self._progress_at, sum(not f.abandoned for f in self._active.values()),
+                len(self._waiting))
+      self._fail_all(self._stall_error(), keep_slots=True)
+
+  def _stall_error(self) -> EngineUnavailable:
+    return EngineUnavailable(f"the engine made no progress for {self.opt.engine_stall_s:g}s "
+                             "(stalled)", code="engine_stalled")
+
+  def _refusal(self, drain_deadline) -> EngineUnavailable | None:
+    """Why a new request cannot be submitted now, or None."""
+    if drain_deadline is not None or self._closed:
+      return EngineUnavailable("the frontend is shutting down", code="shutting_down")
+    if self.failed is not None:
+      return self.failed
+    if self.client is None or self.state != protocol.EngineState.READY:
+      return EngineUnavailable(self.state_text())
+    if self.stalled:
+      return self._stall_error()
+    return None
 
   def _update_slots(self) -> None:
     if self.client is not None:
@@ -251,39 +350,91 @@ class MailboxDriver:
       cmd = self._cmds.popleft()
       if cmd[0] == "submit":
         _, flight, req = cmd
-        if drain_deadline is not None:
-          self._post(_resolve, flight.submitted, None,
-                     EngineUnavailable("the frontend is shutting down"))
-        elif self.client is None or self.state != protocol.EngineState.READY:
-          self._post(_resolve, flight.submitted, None, EngineUnavailable(self.state_text()))
+        refusal = self._refusal(drain_deadline)
+        if refusal is not None:
+          self._post(_resolve, flight.submitted, None, refusal)
+        elif flight.abandoned:  # its client left before we got to it
+          pass
+        elif self._waiting:  # FIFO: behind those already waiting
+          self._enqueue(flight, req)
         else:
           try:
             slot = self.client.submit(req)
-          except (mailbox.SlotsFullError, ValueError) as e:
+          except mailbox.SlotsFullError as e:
+            self._enqueue(flight, req, e)
+          except ValueError as e:
             self._post(_resolve, flight.submitted, None, e)
           else:
-            flight.slot = slot
-            self._active[slot] = flight
-            self._post(_resolve, flight.submitted, slot)
-            self._update_slots()
+            self._place(flight, slot)
       elif cmd[0] == "abandon":
         _, flight, reason = cmd
         if flight.slot is not None and self._active.get(flight.slot) is flight:
           self.client.cancel(flight.slot)
           if self.metrics is not None:
             self.metrics.cancelled.labels(reason).inc()
+        elif flight.slot is None and self._waiting:  # it leaves the queue
+          self._waiting = collections.deque(w for w in self._waiting if w[0] is not flight)
+      elif cmd[0] == "fail":
+        self.failed = cmd[1]
+        self._fail_all(cmd[1], keep_slots=self.client is not None)
       elif cmd[0] == "drain":
         drain_deadline = cmd[1]
+        exc = EngineUnavailable("the frontend is shutting down", code="shutting_down")
+        self._fail_waiting(exc)
         for flight in list(self._active.values()):
           if not flight.abandoned:
             flight.abandoned = True
             if self.metrics is not None:
               self.metrics.cancelled.labels("shutdown").inc()
-            self._post(flight.queue.put_nowait,
-                       EngineUnavailable("the frontend is shutting down"))
+            self._post(flight.queue.put_nowait, exc)
           if self.client is not None:
             self.client.cancel(flight.slot)
     return drain_deadline
+
+  # ---- the queue of requests waiting for a slot ----
+  def _place(self, flight: Flight, slot: int) -> None:
+    flight.slot = slot
+    self._active[slot] = flight
+    self._post(_resolve, flight.submitted, slot)
+    self._update_slots()
+
+  def _enqueue(self, flight: Flight, req: mailbox.Request,
+               full: mailbox.SlotsFullError | None = None) -> None:
+    if len(self._waiting) >= self.opt.max_queued:
+      why = (f"all {self.slots_total} slots of worker {self.worker} are busy" +
+             (f" and {len(self._waiting)} requests are queued" if self.opt.max_queued else ""))
+      self._post(_resolve, flight.submitted, None, full or mailbox.SlotsFullError(why))
+      return
+    self._waiting.append((flight, req, time.monotonic() + self.opt.queue_timeout_s))
+
+  def _admit_waiting(self, now: float) -> None:
+    """Gives freed slots to the queue's head, in order; ends those waiting past the timeout."""
+    while self._waiting:
+      flight, req, deadline = self._waiting[0]
+      if flight.abandoned:
+        self._waiting.popleft()
+        continue
+      if not self.client.free_slots and not self.client.stale_slots:
+        break
+      try:
+        slot = self.client.submit(req)
+      except mailbox.SlotsFullError:
+        break
+      except ValueError as e:
+        self._waiting.popleft()
+        self._post(_resolve, flight.submitted, None, e)
+        continue
+      self._waiting.popleft()
+      self._place(flight, slot)
+    while self._waiting and self._waiting[0][2] <= now:  # same timeout: deadlines in order
+      flight, _, _ = self._waiting.popleft()
+      self._post(_resolve, flight.submitted, None, mailbox.SlotsFullError(
+          f"no slot of worker {self.worker} came free in {self.opt.queue_timeout_s:g}s"))
+
+  def _fail_waiting(self, exc: Exception) -> None:
+    while self._waiting:
+      flight, _, _ = self._waiting.popleft()
+      self._post(_resolve, flight.submitted, None, exc)
 
   def _poll_active(self) -> bool:
     if not self._active:
@@ -325,10 +476,7 @@ class MailboxDriver:
           self.client.cancel(flight.slot)
     if not keep_slots:
       self._active.clear()
-    while self._cmds:
-      cmd = self._cmds.popleft()
-      if cmd[0] == "submit":
-        self._post(_resolve, cmd[1].submitted, None, exc)
+    self._fail_waiting(exc)
 
   def _transport_failed(self, e: Exception) -> None:
     if self._failures == 0:
@@ -341,9 +489,13 @@ class MailboxDriver:
     self._update_slots()
 
   def state_text(self) -> str:
+    if self.failed is not None:
+      return str(self.failed)
     if self.state is None:
       why = f": {self.last_error}" if self.last_error else ""
       return f"the engine is unreachable or not initialized{why}"
+    if self.stalled and self.state == protocol.EngineState.READY:
+      return str(self._stall_error())
     return f"the engine is {STATE_NAMES.get(self.state, str(self.state))}"
 
 

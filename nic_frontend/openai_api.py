@@ -8,8 +8,11 @@ instead of being silently ignored. Unknown fields are ignored, as vLLM does.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import random
+import threading
 import time
 import uuid
 from typing import Any, Sequence
@@ -41,6 +44,14 @@ class ApiError(Exception):
 
   def body(self) -> dict:
     return error_body(self.message, self.type, self.param, self.code)
+
+  def __reduce__(self):  # picklable: the parser process pool sends these back
+    return (_api_error, (self.status, self.message, self.param, self.type, self.code,
+                         self.headers))
+
+
+def _api_error(status, message, param, type, code, headers) -> ApiError:
+  return ApiError(status, message, param=param, type=type, code=code, headers=headers)
 
 
 def _default_type(status: int) -> str:
@@ -100,6 +111,60 @@ class GenRequest:
                      num_logprobs=self.top_logprobs if self.logprobs else 0,
                      logprobs=self.logprobs, ignore_eos=self.ignore_eos,
                      request_id=request_id)
+
+
+# ---- the request fields ---------------------------------------------------------------------
+# The scalar fields the readers below accept and their bounds, declared once: `_common` and the
+# parsers read them from here, and nic_frontend.openapi publishes them (with the structured
+# fields, whose limits are the constants above) as the request schemas of GET /openapi.json.
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+  type: str                                # JSON type: "integer", "number", "boolean", "string"
+  default: Any = None                      # what an absent or null field means
+  minimum: int | float | None = None
+  maximum: int | float | None = None
+  exclusive_minimum: bool = False          # minimum itself is not allowed
+  description: str = ""
+
+
+COMMON_FIELDS: dict[str, Field] = {
+    "model": Field("string", description="one of the served model names (default: the first)"),
+    "n": Field("integer", 1, 1, 1, description="choices per prompt: only 1 is supported"),
+    "stream": Field("boolean", False, description="stream the response as server-sent events"),
+    "temperature": Field("number", 1.0, 0.0, 2.0),
+    "top_p": Field("number", 1.0, 0.0, 1.0, exclusive_minimum=True),
+    "top_k": Field("integer", 0, -1, description="0 or -1: no top-k restriction"),
+    "seed": Field("integer", None, -(1 << 63), MAX_SEED, description="default: random"),
+    "ignore_eos": Field("boolean", False),
+    "user": Field("string"),
+    "max_tokens": Field("integer", None, 1, description="default: 16 for completions, the "
+                                                        "rest of the context for chat"),
+    "max_completion_tokens": Field("integer", None, 1, description="overrides max_tokens"),
+}
+COMPLETION_FIELDS: dict[str, Field] = {
+    "logprobs": Field("integer", None, 0, MAX_COMPLETION_LOGPROBS,
+                      description="top alternatives per token to return (at most the "
+                                  "engine's max_top_logprobs)"),
+}
+CHAT_FIELDS: dict[str, Field] = {
+    "logprobs": Field("boolean", False),
+    "top_logprobs": Field("integer", None, 0, MAX_CHAT_TOP_LOGPROBS,
+                          description="needs logprobs; at most the engine's max_top_logprobs"),
+}
+
+
+def _read(body: dict, name: str, fields: dict[str, Field] = COMMON_FIELDS):
+  """Field `name` of `body` as its entry in `fields` declares it."""
+  f = fields[name]
+  if f.type == "integer":
+    return _int(body, name, f.default, lo=f.minimum, hi=f.maximum)
+  if f.type == "number":
+    return _float(body, name, f.default, lo=f.minimum, hi=f.maximum,
+                  lo_open=f.exclusive_minimum)
+  if f.type == "boolean":
+    return _bool(body, name, f.default)
+  raise TypeError(f"no reader for {f.type} field {name}")
 
 
 # ---- field readers --------------------------------------------------------------------------
@@ -167,36 +232,117 @@ def _bool(body: dict, name: str, default: bool) -> bool:
   return v
 
 
-def _unsupported(body: dict, name: str, default_ok) -> None:
+def _unsupported(body: dict, name: str, noop: tuple) -> None:
   """Rejects a known field we do not implement unless it has a no-op value."""
-  if name in body and not default_ok(body[name]):
+  if name in body and not any(_json_equal(body[name], v) for v in noop):
     raise bad(name, f"'{name}' is not supported by this server", "unsupported_parameter")
 
 
-_NOOP_FIELDS = {
-    "presence_penalty": lambda v: v is None or v == 0,
-    "frequency_penalty": lambda v: v is None or v == 0,
-    "repetition_penalty": lambda v: v is None or v == 1,
-    "logit_bias": lambda v: not v,
-    "best_of": lambda v: v is None or v == 1,
-    "echo": lambda v: v is None or v is False,
-    "suffix": lambda v: not v,
-    "tools": lambda v: not v,
-    "functions": lambda v: not v,
-    "tool_choice": lambda v: v is None or v == "none",
-    "function_call": lambda v: v is None or v == "none",
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "min_tokens": lambda v: v is None or v == 0,
-    "use_beam_search": lambda v: not v,
-    "prediction": lambda v: v is None,
-    "audio": lambda v: v is None,
-    "modalities": lambda v: v is None or v == ["text"],
+def _json_equal(a: Any, b: Any) -> bool:
+  """Equality as JSON Schema's `enum` has it: numbers by value, booleans apart from numbers."""
+  if isinstance(a, bool) or isinstance(b, bool):
+    return isinstance(a, bool) and isinstance(b, bool) and a == b
+  if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+    return a == b
+  if isinstance(a, list) and isinstance(b, list):
+    return len(a) == len(b) and all(_json_equal(x, y) for x, y in zip(a, b))
+  if isinstance(a, dict) and isinstance(b, dict):
+    return a.keys() == b.keys() and all(_json_equal(a[k], b[k]) for k in a)
+  return type(a) is type(b) and a == b
+
+
+# Fields of OpenAI's (or vLLM's) API that would change the output and that this server does not
+# implement: accepted only with one of these no-op values (published as an enum).
+NOOP_FIELDS: dict[str, tuple] = {
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none"),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "min_tokens": (None, 0),
+    "use_beam_search": (None, False),
+    "prediction": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
 }
 
 
 # ---- the body as a whole --------------------------------------------------------------------
 
 MAX_JSON_DEPTH = 32  # far deeper than any OpenAI request
+
+
+def load_json(raw: bytes) -> Any:
+  """The parsed request body; 400 for invalid JSON, nesting past MAX_JSON_DEPTH (or the JSON
+  parser's recursion) and strings that are not valid Unicode."""
+  try:
+    body = json.loads(raw)
+  except (ValueError, UnicodeDecodeError) as e:
+    raise ApiError(400, f"the request body is not valid JSON: {_clip(str(e))}",
+                   code="invalid_json") from None
+  except RecursionError:
+    raise ApiError(400, "the request body is nested too deeply", code="invalid_json") from None
+  check_json_values(body)
+  return body
+
+
+def _clip(text: str, most: int = 200) -> str:
+  return text if len(text) <= most else text[:most] + "..."
+
+
+def parse_body(raw: bytes, kind: str, limits: "Limits", tokenizer) -> "GenRequest":
+  """A request body as read from the socket to a validated, tokenized request: all the CPU
+  work of a request before it reaches the engine (the server runs large bodies in a process
+  pool, see `init_parser_process`)."""
+  body = load_json(raw)
+  return parse_completion(body, limits, tokenizer) if kind == "completion" else \
+      parse_chat(body, limits, tokenizer)
+
+
+_PROCESS_TOKENIZER = None
+
+
+def init_parser_process(tokenizer_model: bytes, parent: int | None = None) -> None:
+  """Initializer of a parser process (nic_frontend.server's pool) of the worker process
+  `parent`: its own tokenizer, from the serialized SentencePiece model of the frontend's."""
+  import signal
+
+  from blink_jax.client.tokenizer import Tokenizer
+
+  global _PROCESS_TOKENIZER
+  signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker decides when to stop
+  try:
+    os.nice(5)  # the event loop and the driver thread come first on a busy host
+  except OSError:
+    pass
+  # A pool process holds both ends of its task queue, so it would outlive a worker killed
+  # outright (SIGKILL, OOM): it goes when its parent does (or is gone already).
+  parent = os.getppid() if parent is None else parent
+
+  def watch_parent() -> None:
+    while os.getppid() == parent:
+      time.sleep(0.5)
+    os._exit(0)
+
+  threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
+  _PROCESS_TOKENIZER = Tokenizer(tokenizer_model)
+  _PROCESS_TOKENIZER.max_piece_bytes  # computed once, now
+
+
+def parse_in_process(raw: bytes, kind: str, limits: "Limits") -> "GenRequest":
+  """`parse_body` with the parser process's tokenizer."""
+  return parse_body(raw, kind, limits, _PROCESS_TOKENIZER)
+
+
+def parser_process_ready() -> bool:
+  return _PROCESS_TOKENIZER is not None
 
 
 def check_json_values(body: Any) -> None:
@@ -271,16 +417,17 @@ def _token_list(v: Any, param: str, vocab: int) -> list[int]:
 def _common(body: dict, limits: Limits, kind: str) -> dict:
   if not isinstance(body, dict):
     raise bad(None, "the request body must be a JSON object", "invalid_type")
-  for name, ok in _NOOP_FIELDS.items():
-    _unsupported(body, name, ok)
+  for name, noop in NOOP_FIELDS.items():
+    _unsupported(body, name, noop)
   model = _model(body, limits)
-  n = _int(body, "n", 1)
-  if n < 1:
-    raise bad("n", f"'n' must be >= 1, got {n}")
-  if n > 1:
+  nf = COMMON_FIELDS["n"]
+  n = _int(body, "n", nf.default)
+  if n < nf.minimum:
+    raise bad("n", f"'n' must be >= {nf.minimum}, got {n}")
+  if n > nf.maximum:
     raise bad("n", "'n' > 1 is not supported by this server; send n separate requests",
               "unsupported_parameter")
-  stream = _bool(body, "stream", False)
+  stream = _read(body, "stream")
   opts = body.get("stream_options")
   include_usage = False
   if opts is not None:
@@ -290,13 +437,13 @@ def _common(body: dict, limits: Limits, kind: str) -> dict:
     if not isinstance(opts, dict):
       raise bad("stream_options", "'stream_options' must be an object", "invalid_type")
     include_usage = _bool(opts, "include_usage", False)
-  temperature = _float(body, "temperature", 1.0, lo=0.0, hi=2.0)
-  top_p = _float(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)
-  top_k = _int(body, "top_k", 0, lo=-1)
+  temperature = _read(body, "temperature")
+  top_p = _read(body, "top_p")
+  top_k = _read(body, "top_k")
   top_k = 0 if top_k == -1 else top_k
   if top_k > limits.vocab_size:
     top_k = 0  # larger than the vocabulary: no restriction
-  seed = _int(body, "seed", None, lo=-(1 << 63), hi=MAX_SEED)
+  seed = _read(body, "seed")
   seed_given = seed is not None
   if seed is None:
     seed = random.getrandbits(63)
@@ -308,18 +455,35 @@ def _common(body: dict, limits: Limits, kind: str) -> dict:
   if len(stop_ids) > protocol.MAX_STOP_IDS:
     raise bad("stop_token_ids", f"'stop_token_ids' may hold at most {protocol.MAX_STOP_IDS} ids, "
                                 f"got {len(stop_ids)}")
-  ignore_eos = _bool(body, "ignore_eos", False)
+  ignore_eos = _read(body, "ignore_eos")
   user = body.get("user")
   if user is not None and not isinstance(user, str):
     raise bad("user", f"'user' must be a string, got {_type_name(user)}", "invalid_type")
-  max_tokens = _int(body, "max_tokens", None, lo=1)
-  mct = _int(body, "max_completion_tokens", None, lo=1)
+  max_tokens = _read(body, "max_tokens")
+  mct = _read(body, "max_completion_tokens")
   if mct is not None:
     max_tokens = mct
   return dict(kind=kind, model=model, temperature=temperature, top_p=top_p, top_k=top_k,
               seed=seed & MAX_SEED, seed_given=seed_given, stop=stop, stop_token_ids=stop_ids,
               ignore_eos=ignore_eos, stream=stream, include_usage=include_usage, user=user,
               max_tokens=max_tokens)
+
+
+def prompt_cap(limits: Limits) -> int:
+  """The most tokens a prompt may have (a slot's capacity, and room for one token)."""
+  return min(limits.max_prompt, limits.max_context - 1)
+
+
+def _too_long(param: str, limits: Limits, n: int, at_least: bool = False) -> ApiError:
+  return bad(param, f"This model's maximum prompt length is {prompt_cap(limits)} tokens "
+                    f"(context {limits.max_context}); the prompt has {'at least ' * at_least}"
+                    f"{n} tokens.", "context_length_exceeded")
+
+
+def _min_tokens(tokenizer, text: str) -> int:
+  """A lower bound on the tokens of `text` from its size alone (0 if the tokenizer has none)."""
+  bound = getattr(tokenizer, "min_tokens", None)
+  return bound(text) if bound is not None else 0
 
 
 def _max_tokens(prompts: list[list[int]], requested: int | None, default: int | None,
@@ -329,11 +493,8 @@ def _max_tokens(prompts: list[list[int]], requested: int | None, default: int | 
     n = len(p)
     if n == 0:
       raise bad(prompt_param, f"'{prompt_param}' is empty")
-    if n > limits.max_prompt or n >= limits.max_context:
-      cap = min(limits.max_prompt, limits.max_context - 1)
-      raise bad(prompt_param, f"This model's maximum prompt length is {cap} tokens "
-                              f"(context {limits.max_context}); the prompt has {n} tokens.",
-                "context_length_exceeded")
+    if n > prompt_cap(limits):
+      raise _too_long(prompt_param, limits, n)
     room = limits.max_context - n
     if requested is None:
       out.append(room if default is None else min(default, room))
@@ -360,7 +521,7 @@ def parse_completion(body: Any, limits: Limits, tokenizer) -> GenRequest:
               "invalid_type")
   top = 0
   if lp is not None:
-    cap = min(MAX_COMPLETION_LOGPROBS, limits.max_top_logprobs)
+    cap = min(COMPLETION_FIELDS["logprobs"].maximum, limits.max_top_logprobs)
     if not 0 <= lp <= cap:
       raise bad("logprobs", f"'logprobs' must be between 0 and {cap}, got {lp}")
     top = lp
@@ -369,8 +530,19 @@ def parse_completion(body: Any, limits: Limits, tokenizer) -> GenRequest:
 
 
 def _prompts(v: Any, limits: Limits, tokenizer) -> list[list[int]]:
+  cap = prompt_cap(limits)
+
   def encode(text: str) -> list[int]:
+    # A text whose size alone shows it cannot fit is rejected before it is tokenized.
+    least = _min_tokens(tokenizer, text) + 1  # + <bos>
+    if least > cap:
+      raise _too_long("prompt", limits, least, at_least=True)
     return tokenizer.encode(text, add_bos=True)
+
+  def ids(x: list) -> list[int]:
+    if len(x) > cap:
+      raise _too_long("prompt", limits, len(x))
+    return _token_list(x, "prompt", limits.vocab_size)
 
   if isinstance(v, str):
     return [encode(v)]
@@ -379,18 +551,16 @@ def _prompts(v: Any, limits: Limits, tokenizer) -> list[list[int]]:
                         f"or an array of token-id arrays, got {_type_name(v)}", "invalid_type")
   if not v:
     raise bad("prompt", "'prompt' must not be an empty array")
+  if all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+    return [ids(v)]
+  if len(v) > MAX_PROMPTS:
+    raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(v)}")
   if all(isinstance(x, str) for x in v):
-    out = [encode(x) for x in v]
-  elif all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-    out = [_token_list(v, "prompt", limits.vocab_size)]
-  elif all(isinstance(x, list) for x in v):
-    out = [_token_list(x, "prompt", limits.vocab_size) for x in v]
-  else:
-    raise bad("prompt", "'prompt' must be a string, an array of strings, an array of token ids "
-                        "or an array of token-id arrays (not a mix)", "invalid_type")
-  if len(out) > MAX_PROMPTS:
-    raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(out)}")
-  return out
+    return [encode(x) for x in v]
+  if all(isinstance(x, list) for x in v):
+    return [ids(x) for x in v]
+  raise bad("prompt", "'prompt' must be a string, an array of strings, an array of token ids "
+                      "or an array of token-id arrays (not a mix)", "invalid_type")
 
 
 # ---- /v1/chat/completions -------------------------------------------------------------------
@@ -420,12 +590,17 @@ def parse_chat(body: Any, limits: Limits, tokenizer) -> GenRequest:
           raise bad("messages", f"messages[{i}].content: only text parts "
                                 "({\"type\": \"text\", \"text\": ...}) are supported")
     norm.append({"role": "system" if role == "developer" else role, "content": content})
+  bound = getattr(tokenizer, "min_chat_tokens", None)
   try:
+    # Messages whose size alone shows they cannot fit are rejected before they are tokenized.
+    least = bound(norm, add_generation_prompt=True) if bound is not None else 0
+    if least > prompt_cap(limits):
+      raise _too_long("messages", limits, least, at_least=True)
     ids = tokenizer.apply_chat_template(norm, add_generation_prompt=True)
   except ValueError as e:
     raise bad("messages", f"'messages': {e}") from None
-  lp = _bool(body, "logprobs", False)
-  top = _int(body, "top_logprobs", None, lo=0, hi=MAX_CHAT_TOP_LOGPROBS)
+  lp = _read(body, "logprobs", CHAT_FIELDS)
+  top = _read(body, "top_logprobs", CHAT_FIELDS)
   if top is not None and not lp:
     raise bad("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
   if top is not None and top > limits.max_top_logprobs:

@@ -9,7 +9,15 @@ the environment rather than the command line (visible in ps): BLINK_API_KEY (or 
 BLINK_RELAY_TOKEN for the tcp / rdma transports.
 
 SIGTERM / SIGINT: stop accepting connections, let the requests in flight finish for up to
---grace-s seconds, cancel the rest on the device, exit.
+--grace-s seconds, then end the rest with an error (streams: an error event and [DONE]; others
+503), cancel them on the device and exit 0, within about half a second past the grace period.
+
+With --parent-pid (the engine's process, serve.py), the worker watches it: when it is gone
+(killed: the engine died with it) every request ends with an error at once, the worker removes
+what that process can no longer remove (--orphan-unlink-shm, --orphan-remove-dir) and exits
+with status 3. An engine that stops making progress (stopped, hung) is noticed by the mailbox
+driver after --engine-stall-s: /health answers 503, requests end with an error, until it moves
+again.
 """
 from __future__ import annotations
 
@@ -18,11 +26,14 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import signal
 import time
 import sys
 
 log = logging.getLogger("nic_frontend.worker")
+
+EXIT_ORPHANED = 3  # the supervising (engine) process went away
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,10 +57,24 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--max-body-bytes", type=int, default=16 << 20)
   p.add_argument("--grace-s", type=float, default=30.0,
                  help="on SIGTERM, how long requests in flight may take to finish")
+  p.add_argument("--engine-stall-s", type=float, default=10.0,
+                 help="the engine is stalled when none of its loop counters moved for this "
+                      "long (0: never); must exceed its longest step")
+  p.add_argument("--max-queued", type=int, default=0,
+                 help="requests that may wait (FIFO) for a slot of this worker when all are "
+                      "in use (0: 429 at once)")
+  p.add_argument("--queue-timeout-s", type=float, default=30.0,
+                 help="how long a queued request waits for a slot before its 429")
+  p.add_argument("--metrics-require-key", action="store_true",
+                 help="/metrics requires the API key too")
   p.add_argument("--ready-file", default=None,
                  help="written (JSON: host, port, pid, worker) once the server listens")
   p.add_argument("--parent-pid", type=int, default=None,
                  help="shut down when this process (the engine host's supervisor) is gone")
+  p.add_argument("--orphan-unlink-shm", default=None,
+                 help="when --parent-pid is gone: remove this shared memory segment")
+  p.add_argument("--orphan-remove-dir", default=None,
+                 help="when --parent-pid is gone: remove this folder")
   p.add_argument("--log-level", default="INFO")
   return p.parse_args(argv)
 
@@ -65,6 +90,7 @@ async def serve(args: argparse.Namespace) -> int:
   from blink_jax import env
   from blink_jax.client.tokenizer import Tokenizer
   from nic_frontend import server
+  from nic_frontend.driver import DriverOptions, EngineUnavailable
   from nic_frontend.transports import open_transport
 
   token = env.relay_token()
@@ -72,17 +98,23 @@ async def serve(args: argparse.Namespace) -> int:
                           token=token)
   tokenizer = Tokenizer(args.tokenizer)
   api_key = args.api_key if args.api_key is not None else env.api_key()
+  driver_opts = DriverOptions(engine_stall_s=args.engine_stall_s, max_queued=args.max_queued,
+                              queue_timeout_s=args.queue_timeout_s)
+  if args.metrics_require_key and not api_key:
+    raise SystemExit("--metrics-require-key needs an API key")
   cfg = server.FrontendConfig(model_name=args.model_name,
                          served_model_names=tuple(args.served_model_name), worker=args.worker,
                          num_workers=args.num_workers, api_key=api_key or None,
-                         max_body_bytes=args.max_body_bytes)
+                         max_body_bytes=args.max_body_bytes, driver=driver_opts,
+                         metrics_require_key=args.metrics_require_key)
   app = server.create_app(region, tokenizer, cfg)
   fe = app[server.FRONTEND_KEY]
   runner, site, port = await server.start_site(app, args.host, args.port,
-                                               reuse_port=args.reuse_port)
-  log.info("frontend worker %d/%s listening on http://%s:%d (transport %s, model %s%s)",
-           args.worker, args.num_workers or "header", args.host, port, args.transport,
-           args.model_name, ", api key required" if api_key else "")
+                                               reuse_port=args.reuse_port,
+                                               shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+  log.info("frontend worker %d listening on http://%s:%d (transport %s, model %s%s)",
+           args.worker, args.host, port, args.transport, args.model_name,
+           ", api key required" if api_key else "")
   # Ready means reachable *and* attached: with SO_REUSEPORT a request may land on this worker
   # as soon as it listens, so wait (bounded) until the driver has read the engine's header.
   deadline = time.monotonic() + 30.0
@@ -97,33 +129,74 @@ async def serve(args: argparse.Namespace) -> int:
   print(f"BLINK_FRONTEND_READY worker={args.worker} port={port}", flush=True)
 
   stop = asyncio.Event()
+  orphaned = asyncio.Event()
   loop = asyncio.get_running_loop()
   for sig in (signal.SIGTERM, signal.SIGINT):
     loop.add_signal_handler(sig, stop.set)
   watchdog = None
   if args.parent_pid:
-    watchdog = asyncio.create_task(_watch_parent(args.parent_pid, stop))
+    watchdog = asyncio.create_task(_watch_parent(args.parent_pid, stop, orphaned))
   await stop.wait()
   if watchdog is not None:
     watchdog.cancel()
+  if orphaned.is_set():
+    # The engine died with its process: no token will come. End everything now.
+    fe.driver.fail_all(EngineUnavailable("the engine process is gone", code="engine_gone"))
+    await site.stop()
+    await fe.drain(0.5)  # the handlers send the error; all of them end at once
+    _orphan_cleanup(args)
+    await _close(runner, fe, region, driver_timeout=0.0)
+    return EXIT_ORPHANED
   log.info("worker %d: shutting down (grace %.1fs, %d handlers in flight)", args.worker,
            args.grace_s, fe._handlers_in_flight)
   await site.stop()  # no new connections
   if not await fe.drain(args.grace_s):
-    log.warning("worker %d: requests still in flight after %.1fs; cancelling them",
+    log.warning("worker %d: requests still in flight after %.1fs were ended with an error",
                 args.worker, args.grace_s)
-  await runner.cleanup()  # cancels leftover handlers; the driver cancels their slots
-  if hasattr(region, "close"):
-    region.close()
+  await _close(runner, fe, region, driver_timeout=DRIVER_STOP_S)
   return 0
 
 
-async def _watch_parent(pid: int, stop: asyncio.Event, every_s: float = 0.5) -> None:
-  """Sets `stop` when the supervising process dies (a SIGKILLed serve.py must not leave
-  workers serving a mailbox nobody drives)."""
+# Past the grace period: how long the device may take to finish the cancelled requests (their
+# pages come back) and the HTTP server to close what is left.
+DRIVER_STOP_S = 0.3
+SHUTDOWN_TIMEOUT_S = 0.3
+
+
+async def _close(runner, fe, region, driver_timeout: float) -> None:
+  """Stops the driver (cancelling what it still has on the device), then the HTTP server."""
+  await asyncio.get_running_loop().run_in_executor(None, fe.driver.stop, driver_timeout)
+  await runner.cleanup()  # the app's cleanup finds the driver stopped
+  if hasattr(region, "close"):
+    region.close()
+
+
+def _orphan_cleanup(args: argparse.Namespace) -> None:
+  """What the dead supervisor would have removed at its shutdown."""
+  if args.orphan_unlink_shm:
+    from blink_jax.client import shm
+    try:
+      seg = shm.open_region(args.orphan_unlink_shm)
+    except (FileNotFoundError, ValueError):
+      pass
+    else:
+      seg.unlink()
+      seg.close()
+      log.info("removed the shared memory %s", args.orphan_unlink_shm)
+  if args.orphan_remove_dir:
+    shutil.rmtree(args.orphan_remove_dir, ignore_errors=True)
+
+
+async def _watch_parent(pid: int, stop: asyncio.Event, orphaned: asyncio.Event | None = None,
+                        every_s: float = 0.2) -> None:
+  """Sets `orphaned` and `stop` when the supervising process dies (a SIGKILLed serve.py must
+  not leave workers serving a mailbox nobody drives)."""
   while not stop.is_set():
     if os.getppid() != pid:
-      log.error("the supervising process %d is gone; shutting down", pid)
+      log.error("the supervising process %d is gone (the engine with it): ending every "
+                "request and shutting down", pid)
+      if orphaned is not None:
+        orphaned.set()
       stop.set()
       return
     await asyncio.sleep(every_s)
@@ -141,4 +214,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  code = main()
+  # Everything is closed: the interpreter's own teardown (module and object finalization, a
+  # few tenths of a second) would only delay the supervisor's shutdown.
+  logging.shutdown()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)

@@ -25,6 +25,14 @@ def check_triton_calls(text: str, calls: int, *grids: tuple[int, int, int]) -> N
   assert "stablehlo.while" not in text
 
 
+def gpus() -> list:
+  """The CUDA devices JAX sees ([] without a GPU backend)."""
+  try:
+    return jax.devices("gpu")
+  except RuntimeError:
+    return []
+
+
 def require_gpu():
   if jax.devices()[0].platform != "gpu":
     pytest.skip("needs a GPU")

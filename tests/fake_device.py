@@ -158,6 +158,7 @@ class FakeDevice:
     self.step_delay_s = 0.0
     self.error: BaseException | None = None
     self._ready = ready
+    self._crash: BaseException | None = None
     self._run = threading.Event()
     self._run.set()
     self._stop = threading.Event()
@@ -181,6 +182,11 @@ class FakeDevice:
     self._run.clear()
 
   def resume(self) -> None:
+    self._run.set()
+
+  def crash(self, error: BaseException | None = None) -> None:
+    """The loop ends as if the model step had raised `error` (the engine's loop dying)."""
+    self._crash = error or RuntimeError("the fake device crashed")
     self._run.set()
 
   def stop(self, timeout: float = 10.0) -> None:
@@ -229,6 +235,8 @@ class FakeDevice:
         if not self._run.is_set():
           self._run.wait(0.05)
           continue
+        if self._crash is not None:
+          raise self._crash
         self._record()
         words = self.sched.schedule()
         if int(words[B.SHUTDOWN]):
@@ -240,6 +248,8 @@ class FakeDevice:
             time.sleep(self.step_delay_s)
     except BaseException as e:  # surfaced by stop()
       self.error = e
+      if self._crash is not None:  # what the engine's loop thread does when it dies
+        self.set_state(P.EngineState.STOPPED)
 
 
 class FakeEngine:
@@ -271,13 +281,22 @@ class FakeEngine:
     h = self.device.header()
     return {k: int(h[k]) for k in ("steps", "tokens_generated", "requests_finished")}
 
-  def shutdown(self) -> None:
+  @property
+  def running(self) -> bool:
+    return self.device._thread.is_alive() and not self._shut
+
+  def shutdown(self, timeout: float = 10.0) -> None:
     if self._shut:
       return
     self._shut = True
-    self.device.stop()
-    self.region.close()
-    self.region.unlink()
+    try:
+      self.device.stop(timeout)
+    except BaseException as e:  # a crashed device loop: its error was the point
+      if e is not self.device._crash:
+        raise
+    finally:
+      self.region.close()
+      self.region.unlink()
 
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -326,6 +345,59 @@ def wait_until(pred, timeout: float = 20.0, interval: float = 0.01, what: str = 
     time.sleep(interval)
 
 
+def http_request(port: int, method: str, path: str, body=None, *, headers=None,
+                 api_key: str | None = None, timeout: float = 30):
+  """(status, headers, parsed JSON or raw bytes) of one request on a fresh connection."""
+  import http.client
+  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+  h = {"Content-Type": "application/json"}
+  if api_key:
+    h["Authorization"] = f"Bearer {api_key}"
+  h.update(headers or {})
+  if body is not None and not isinstance(body, (bytes, str)):
+    body = json.dumps(body)
+  conn.request(method, path, body=body, headers=h)
+  r = conn.getresponse()
+  raw = r.read()
+  conn.close()
+  try:
+    data = json.loads(raw)
+  except ValueError:
+    data = raw
+  return r.status, dict(r.getheaders()), data
+
+
+def free_port() -> int:
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def process_alive(pid: int) -> bool:
+  """The process exists and is not a zombie."""
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+  except FileNotFoundError:
+    return False
+
+
+def spawn_until_ready(cmd: list[str], ready: pathlib.Path, log: pathlib.Path,
+                      env: dict | None = None) -> subprocess.Popen:
+  """Starts `cmd` (output to `log`) and waits until it wrote `ready`; raises if it exits first."""
+  with open(log, "wb") as f:
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+  try:
+    wait_until(lambda: ready.exists() or proc.poll() is not None, 60, 0.02, "the worker")
+  except AssertionError:
+    proc.kill()
+    raise
+  if proc.poll() is not None:
+    raise AssertionError(f"worker exited: {log.read_text()}")
+  return proc
+
+
 def start_worker(tmp: pathlib.Path, tokenizer_path, model_name: str, args: list[str],
                  env: dict | None = None, prefix: list[str] | None = None):
   """(process, port, log path) of a `nic_frontend.worker` that has announced its port.
@@ -337,13 +409,52 @@ def start_worker(tmp: pathlib.Path, tokenizer_path, model_name: str, args: list[
          str(ready), *args]
   full_env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
   full_env.update(env or {})
-  with open(log, "wb") as f:
-    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=f, stderr=subprocess.STDOUT)
-  try:
-    wait_until(lambda: ready.exists() or proc.poll() is not None, 60, 0.02, "the worker")
-  except AssertionError:
-    proc.kill()
-    raise
-  if proc.poll() is not None:
-    raise AssertionError(f"worker exited: {log.read_text()}")
+  proc = spawn_until_ready(cmd, ready, log, full_env)
   return proc, json.loads(ready.read_text())["port"], log
+
+
+def fake_serve(argv: list[str]) -> None:
+  """`scripts/serve.py` itself (flags, supervision, signals, exit status) over a FakeEngine
+  instead of a JAX engine: what the serving fault tests run in a process of their own, so that
+  they can stop or kill "the engine" (`python -c "import sys; from tests.fake_device import
+  fake_serve; fake_serve(sys.argv)" --ckpt fake --tokenizer tiny.model ...`).
+
+  Flags besides serve.py's: --fake_step_delay_s (the fake device's pace) and --fake_info_file
+  (written once serving: JSON with pid, shm_name, run_dir and the workers' pids). SIGUSR1 makes
+  the fake device loop crash (the engine's loop dying)."""
+  import importlib.util
+  import signal
+
+  from absl import app, flags
+
+  spec = importlib.util.spec_from_file_location("blink_serve", REPO / "scripts" / "serve.py")
+  serve = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(serve)
+  flags.DEFINE_float("fake_step_delay_s", 0.0, "Seconds the fake device sleeps per step.")
+  flags.DEFINE_string("fake_info_file", None, "Where to write pid, shm name, run dir, workers.")
+  fv = flags.FLAGS
+
+  def make_engine(config):
+    dc = DeviceConfig(num_slots=config.num_slots, num_workers=config.frontend_workers + 1,
+                      max_seqs=config.max_seqs)
+    engine = FakeEngine(pathlib.Path(fv.tokenizer), dc, model_name="tiny",
+                        shm_name=fv.shm_name or None)
+    engine.device.step_delay_s = fv.fake_step_delay_s
+    signal.signal(signal.SIGUSR1, lambda *_: engine.device.crash())
+    return engine
+
+  serve.make_engine = make_engine
+  from nic_frontend import supervisor
+  start = supervisor.Serving.start
+
+  def start_and_tell(self):
+    start(self)
+    if fv.fake_info_file:
+      tmp = fv.fake_info_file + ".tmp"
+      with open(tmp, "w") as f:
+        json.dump({"pid": os.getpid(), "shm_name": self.shm_name, "run_dir": str(self.run_dir),
+                   "workers": [p.pid for p in self.procs]}, f)
+      os.replace(tmp, fv.fake_info_file)
+
+  supervisor.Serving.start = start_and_tell
+  app.run(serve.main, argv=serve._normalize_argv(list(argv)))

@@ -18,6 +18,7 @@ import pytest
 from blink_jax.client import protocol as P
 from blink_jax.native import batch as B
 from blink_jax.native import ffi as F
+from tests.test_protocol import check_mailbox_layout, geometry_offsets_of
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SOURCES = [*sorted((REPO / "ffi").glob("*.h")), REPO / "ffi" / "capi.cc",
@@ -44,22 +45,7 @@ def bazel_lib() -> F._Lib:
 
 
 def test_bazel_library_mailbox_layout_matches_the_protocol_mirror(bazel_lib):
-  layout = F._layout(bazel_lib.blink_mailbox_layout())
-  dtypes = {"header": P.HEADER_DTYPE, "request": P.REQUEST_DTYPE, "output": P.OUTPUT_DTYPE}
-  fields = 0
-  for key, off in layout.items():
-    struct, field = key.split(".")
-    if struct == "const":
-      continue
-    assert dtypes[struct].fields[field][1] == off, key
-    fields += 1
-  assert fields == sum(len(d.names) for d in dtypes.values()), "a field is missing on one side"
-  assert layout["const.header_bytes"] == P.HEADER_BYTES == P.HEADER_DTYPE.itemsize
-  assert layout["const.request_fixed_bytes"] == P.REQUEST_FIXED_BYTES
-  assert layout["const.output_fixed_bytes"] == P.OUTPUT_FIXED_BYTES
-  assert layout["const.max_workers"] == P.MAX_WORKERS
-  assert layout["const.max_stop_ids"] == P.MAX_STOP_IDS
-  assert layout["const.version"] == P.VERSION
+  check_mailbox_layout(F._layout(bazel_lib.blink_mailbox_layout()))
 
 
 @pytest.mark.parametrize("geo", [P.Geometry(1, 1, 1, 0), P.Geometry(7, 13, 5, 3)])
@@ -69,10 +55,7 @@ def test_bazel_library_geometry_offsets_match(bazel_lib, geo):
                               geo.max_top_logprobs)
     out = (ctypes.c_uint64 * 8)()
     bazel_lib.blink_geometry_offsets(g, slot, out)
-    assert list(out) == [
-        geo.request_offset(slot), geo.prompt_offset(slot), geo.output_offset(slot),
-        geo.out_tokens_offset(slot), geo.out_logprobs_offset(slot),
-        geo.out_top_ids_offset(slot), geo.out_top_logprobs_offset(slot), geo.total_bytes]
+    assert list(out) == geometry_offsets_of(geo, slot)
 
 
 def test_bazel_library_batch_layout_and_config_fields_match(bazel_lib):

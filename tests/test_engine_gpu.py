@@ -11,16 +11,11 @@ from blink_jax import Engine
 from blink_jax import SamplingParams
 from blink_jax.model.config import tiny_config
 from blink_jax.model.gemma import Gemma
+from tests.cuda_lowering import gpus
 
 
-def _gpus():
-  try:
-    return jax.devices("gpu")
-  except RuntimeError:
-    return []
 
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpus(), reason="no CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpus(), reason="no CUDA GPU")]
 
 KW = dict(max_seqs=4, page_size=4, max_context=128, num_slots=16, ring_capacity=16,
           buckets=(4, 16, 64), max_top_logprobs=3, idle_poll_us=50)
@@ -36,7 +31,7 @@ def test_gpu_tokens_equal_cpu_tokens(mode, attention, norm):
   prompts = [[int(t) for t in rng.integers(3, 512, n)] for n in (1, 7, 30, 100, 5, 64)]
   sp = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=2)
   outs = {}
-  for dev in (jax.devices("cpu")[0], _gpus()[0]):
+  for dev in (jax.devices("cpu")[0], gpus()[0]):
     with jax.default_device(dev):
       model = Gemma(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
     with Engine(model, None, mode=mode, device=dev, attention=attention, norm=norm,
@@ -65,7 +60,7 @@ def _tiny_engine_tokens_on_cpu_and_gpu(model_seed: int, prompt_seed: int, **kern
   prompts = [[int(t) for t in rng.integers(3, 512, n)] for n in (3, 30, 100)]
   sp = SamplingParams(max_tokens=12, ignore_eos=True)
   outs = {}
-  for dev in (jax.devices("cpu")[0], _gpus()[0]):
+  for dev in (jax.devices("cpu")[0], gpus()[0]):
     with jax.default_device(dev):
       model = Gemma(cfg, dtype=jnp.float32, rngs=nnx.Rngs(model_seed))
     with Engine(model, None, device=dev, attention="pallas", norm="pallas", **kernels,
@@ -93,7 +88,7 @@ def test_gpu_gemv_partial_sums_tokens_equal_cpu_tokens():
 
 def test_gpu_sampling_reproduces_with_seed():
   cfg = tiny_config("gemma3", vocab_size=512)
-  with jax.default_device(_gpus()[0]):
+  with jax.default_device(gpus()[0]):
     model = Gemma(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
   with Engine(model, None, **KW) as eng:
     sp = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=5, ignore_eos=True)

@@ -63,22 +63,8 @@ class Stack:
 
   def http(self, method: str, path: str, body=None, *, headers=None, auth=True):
     """(status, headers, parsed JSON or raw bytes) of one request on a fresh connection."""
-    conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-    h = {"Content-Type": "application/json"}
-    if auth:
-      h["Authorization"] = f"Bearer {API_KEY}"
-    h.update(headers or {})
-    if body is not None and not isinstance(body, (bytes, str)):
-      body = json.dumps(body)
-    conn.request(method, path, body=body, headers=h)
-    r = conn.getresponse()
-    raw = r.read()
-    conn.close()
-    try:
-      data = json.loads(raw)
-    except ValueError:
-      data = raw
-    return r.status, dict(r.getheaders()), data
+    return FD.http_request(self.port, method, path, body, headers=headers,
+                           api_key=API_KEY if auth else None)
 
   def metrics(self) -> dict:
     status, _, raw = self.http("GET", "/metrics", auth=False)
@@ -832,7 +818,7 @@ def test_frontend_does_not_import_jax():
 def test_serve_two_workers_share_a_port(tokenizer_path, tmp_path, transport):
   from nic_frontend.supervisor import ServeOptions, Serving
   engine = FD.FakeEngine(tokenizer_path, FD.DeviceConfig(num_workers=2), model_name=MODEL)
-  sock_port = _free_port()
+  sock_port = FD.free_port()
   opts = ServeOptions(host="127.0.0.1", port=sock_port, transport=transport, workers=2,
                       api_key=API_KEY, grace_s=10.0, run_dir=str(tmp_path))
   server = Serving(engine, opts)
@@ -895,21 +881,6 @@ def test_serve_flags_are_the_engine_config():
         assert f"--{f.name}:" in run.stdout or f"--[no]{f.name}:" in run.stdout, f.name
 
 
-def _free_port() -> int:
-  import socket
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _alive(pid: int) -> bool:
-  try:
-    with open(f"/proc/{pid}/status") as f:
-      return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
-  except FileNotFoundError:
-    return False
-
-
 def test_worker_exits_when_its_supervisor_dies(tokenizer_path, tmp_path):
   """A worker must not keep serving a mailbox when serve.py was killed outright."""
   dc = FD.DeviceConfig(num_slots=4)
@@ -931,10 +902,10 @@ def test_worker_exits_when_its_supervisor_dies(tokenizer_path, tmp_path):
   try:
     worker = int(sup.stdout.readline())
     wait_until(ready.exists, 30, 0.02, "the worker")
-    assert _alive(worker)
+    assert FD.process_alive(worker)
     sup.kill()
     sup.wait()
-    wait_until(lambda: not _alive(worker), 15, 0.05, "the orphaned worker to exit")
+    wait_until(lambda: not FD.process_alive(worker), 15, 0.05, "the orphaned worker to exit")
   finally:
     if sup.poll() is None:
       sup.kill()

@@ -12,8 +12,10 @@ from blink_jax.native import ffi as F
 from blink_jax.client import protocol as P
 
 
-def test_fixed_struct_offsets_match_the_header():
-  layout = F.mailbox_layout()
+def check_mailbox_layout(layout: dict) -> None:
+  """`layout` (a native library's `blink_mailbox_layout`, parsed) is the protocol mirror's:
+  every field at the same offset, none missing on either side, the same constants. Also
+  tests/test_bazel_build.py's check of the Bazel-built library."""
   dtypes = {"header": P.HEADER_DTYPE, "request": P.REQUEST_DTYPE, "output": P.OUTPUT_DTYPE}
   seen = 0
   for key, off in layout.items():
@@ -32,14 +34,22 @@ def test_fixed_struct_offsets_match_the_header():
   assert layout["const.version"] == P.VERSION
 
 
+def geometry_offsets_of(geo: P.Geometry, slot: int) -> list[int]:
+  """What a native library's `blink_geometry_offsets` must give for `slot` of `geo`."""
+  return [geo.request_offset(slot), geo.prompt_offset(slot), geo.output_offset(slot),
+          geo.out_tokens_offset(slot), geo.out_logprobs_offset(slot),
+          geo.out_top_ids_offset(slot), geo.out_top_logprobs_offset(slot), geo.total_bytes]
+
+
+def test_fixed_struct_offsets_match_the_header():
+  check_mailbox_layout(F.mailbox_layout())
+
+
 @pytest.mark.parametrize("geo", [P.Geometry(1, 1, 1, 0), P.Geometry(4096, 8191, 64, 20),
                                  P.Geometry(7, 13, 5, 3)])
 def test_geometry_offsets_match(geo):
   for slot in (0, 1, geo.num_slots - 1):
-    assert F.geometry_offsets(geo, slot) == [
-        geo.request_offset(slot), geo.prompt_offset(slot), geo.output_offset(slot),
-        geo.out_tokens_offset(slot), geo.out_logprobs_offset(slot),
-        geo.out_top_ids_offset(slot), geo.out_top_logprobs_offset(slot), geo.total_bytes]
+    assert F.geometry_offsets(geo, slot) == geometry_offsets_of(geo, slot)
 
 
 def test_batch_layout_matches():

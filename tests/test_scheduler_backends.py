@@ -14,6 +14,7 @@ import pytest
 from blink_jax.client import protocol as P
 from tests import sched_harness as H
 from tests.xla_scheduler import XlaScheduler
+from tests.cuda_lowering import gpus
 
 
 def _random_jobs(rng: random.Random, vocab: int, max_context: int, n: int) -> list[H.Job]:
@@ -74,15 +75,9 @@ def test_cpu_handlers_match_host_run(seed):
   _run_both(jax.devices("cpu")[0], seed)
 
 
-def _gpus():
-  try:
-    return jax.devices("gpu")
-  except RuntimeError:
-    return []
-
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _gpus(), reason="no CUDA GPU")
+@pytest.mark.skipif(not gpus(), reason="no CUDA GPU")
 @pytest.mark.parametrize("seed", range(8))
 def test_cuda_handlers_match_host_run(seed):
-  _run_both(_gpus()[0], seed)
+  _run_both(gpus()[0], seed)

@@ -38,6 +38,7 @@ from blink_jax.native import batch as B
 from blink_jax.native import ffi as F
 from tests import sched_harness as H
 from tests.host_scheduler import HostScheduler
+from tests.cuda_lowering import gpus
 
 GEO = P.Geometry(num_slots=6, max_prompt=24, ring_capacity=8, max_top_logprobs=3)
 PARAMS = dict(vocab_size=64, max_seqs=4, max_context=40, page_size=4, num_pages=20,
@@ -557,18 +558,12 @@ def test_racing_writer_through_the_cpu_ffi_handlers():
   _check_stats(stats, 50)
 
 
-def _gpus():
-  try:
-    return jax.devices("gpu")
-  except RuntimeError:
-    return []
-
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _gpus(), reason="no CUDA GPU")
+@pytest.mark.skipif(not gpus(), reason="no CUDA GPU")
 def test_racing_writer_through_the_cuda_handlers():
   """The CUDA handlers read the host-mapped mailbox over PCIe while the host writer thread
   rewrites it."""
-  dev = _gpus()[0]
+  dev = gpus()[0]
   stats = race(lambda cfg, region: XlaBackend(cfg, region, dev), seconds=5.0, min_racing=300)
   _check_stats(stats, 300)

@@ -32,7 +32,7 @@ from tests.fake_device import tiny_tokenizer
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _serve(model, tok, tok_path: Path, tmp: Path, name: str, **kw):
+def _serve(model, tok, tok_path: Path, tmp: Path, name: str, worker_args=(), **kw):
   """(engine, worker process, base url): the engine over shm and one frontend worker."""
   eng_kw = dict(max_seqs=4, page_size=8, max_context=128, num_slots=8, ring_capacity=16,
                 buckets=(8, 32), max_top_logprobs=2, idle_poll_us=100)
@@ -43,7 +43,7 @@ def _serve(model, tok, tok_path: Path, tmp: Path, name: str, **kw):
   region = shm.create_region(None, geo.total_bytes)
   engine = Engine(model, tok, region=region, model_name=name, **eng_kw)
   proc, port, _ = FD.start_worker(tmp, tok_path, name, ["--transport", "shm", "--shm-name",
-                                                      region.name])
+                                                      region.name, *worker_args])
   return engine, region, proc, f"http://127.0.0.1:{port}/v1"
 
 

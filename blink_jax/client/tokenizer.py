@@ -4,6 +4,7 @@ This module must not import JAX: the HTTP frontend, which runs without JAX, impo
 """
 from __future__ import annotations
 
+import functools
 import os
 import struct
 from collections.abc import Iterable, Mapping, Sequence
@@ -52,6 +53,46 @@ class Tokenizer:
     if i is None:
       raise ValueError(f"tokenizer has no {piece!r} piece")
     return i
+
+  # --- a lower bound on the token count, without tokenizing ----------------------------------
+
+  @functools.cached_property
+  def max_piece_bytes(self) -> int | None:
+    """The most UTF-8 bytes of input text that one token of `encode` can stand for, or None
+    when that is not bounded: unless the model's normalizer is the identity without whitespace
+    removal (text never shrinks before segmentation) and unknown characters fall back to bytes
+    (SentencePiece merges a run of unknown characters into one <unk>, of any length).
+
+    Computed once from the vocabulary (the longest normal or user-defined piece; a byte piece
+    stands for one byte, control and unused pieces never come from text); with it,
+    `min_tokens` is a lower bound on `len(encode(text))` from the text's length alone."""
+    spec = _model_spec(self.sp.serialized_model_proto())
+    if spec["charsmap"] or spec["remove_extra_whitespaces"] or not spec["byte_fallback"]:
+      return None
+    pieces = self.sp.id_to_piece(list(range(self.vocab_size)))
+    sizes = [len(p.encode("utf-8", "surrogatepass")) for p in pieces]
+    for i in sorted(range(self.vocab_size), key=sizes.__getitem__, reverse=True):
+      if not (self.sp.is_control(i) or self.sp.is_unused(i) or self.sp.is_byte(i)
+              or self.sp.is_unknown(i)):
+        return max(sizes[i], 1)
+    return 1  # only byte pieces: one token per byte
+
+  def min_tokens(self, text: str) -> int:
+    """A lower bound on `len(encode(text))` (no <bos>), from the UTF-8 length of `text`
+    alone: every token stands for at most `max_piece_bytes` bytes of it. 0 when unbounded."""
+    most = self.max_piece_bytes
+    if not most or not text:
+      return 0
+    size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+    return -(-size // most)
+
+  def min_chat_tokens(self, messages: Sequence[Mapping[str, Any]], *,
+                      add_generation_prompt: bool = True) -> int:
+    """A lower bound on `len(apply_chat_template(messages))`, without tokenizing; raises the
+    ValueError `apply_chat_template` would."""
+    return sum(1 if isinstance(seg, int) else self.min_tokens(seg)
+               for seg in self.chat_segments(messages,
+                                             add_generation_prompt=add_generation_prompt))
 
   def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
     ids = self.sp.encode(text, out_type=int)
@@ -162,6 +203,55 @@ class IncrementalDetokenizer:
     text = self._tok.decode(self._ids[self._prefix:])
     self._prefix = self._read = len(self._ids)
     return text[len(done):]
+
+
+def _model_spec(proto: bytes) -> dict:
+  """What `Tokenizer.max_piece_bytes` needs of a serialized ModelProto: the normalizer's
+  precompiled character map (empty: the identity) and remove_extra_whitespaces (default true),
+  the trainer's byte_fallback (default false). Read with the wire format (see below)."""
+  out = {"charsmap": b"", "remove_extra_whitespaces": True, "byte_fallback": False}
+  for number, value in _fields(proto):
+    if number == 2 and isinstance(value, bytes):  # trainer_spec
+      for n, v in _fields(value):
+        if n == 35:
+          out["byte_fallback"] = bool(v)
+    elif number == 3 and isinstance(value, bytes):  # normalizer_spec
+      for n, v in _fields(value):
+        if n == 2 and isinstance(v, bytes):
+          out["charsmap"] = v
+        elif n == 4:
+          out["remove_extra_whitespaces"] = bool(v)
+  return out
+
+
+def _fields(buf: bytes):
+  """(field number, value) of a protobuf message: ints for varints, bytes for length-delimited
+  fields, None for fixed-width ones."""
+  i, end = 0, len(buf)
+  while i < end:
+    key, i = _read_varint(buf, i)
+    number, wire = key >> 3, key & 7
+    if wire == 0:
+      value, i = _read_varint(buf, i)
+    elif wire == 2:
+      size, i = _read_varint(buf, i)
+      value, i = buf[i:i + size], i + size
+    elif wire in (1, 5):
+      value, i = None, i + (8 if wire == 1 else 4)
+    else:
+      raise ValueError(f"unsupported protobuf wire type {wire}")
+    yield number, value
+
+
+def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
+  out = shift = 0
+  while True:
+    b = buf[i]
+    i += 1
+    out |= (b & 0x7F) << shift
+    if not b & 0x80:
+      return out, i
+    shift += 7
 
 
 # --- building a SentencePiece model ----------------------------------------------------------
