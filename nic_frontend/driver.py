@@ -6,7 +6,8 @@ a snapshot of the header (engine state, GPU counters). Handlers never touch the 
 blocking transport (TCP relay, RDMA) never stalls the event loop.
 
 Two things besides: a request that finds every slot of this worker in use waits in a FIFO
-queue (`DriverOptions.max_queued`, `queue_timeout_s`) for the next slot this worker frees; and
+queue (`DriverOptions.max_queued_requests`, `queue_timeout_s`) for the next slot this worker
+frees; and
 the engine's liveness: the device publishes its counters (loop_iterations, steps, tokens, ...)
 after every schedule and every commit, and an idle loop still goes round every idle_poll_us,
 so a READY engine whose counters stay unchanged for `engine_stall_s` is stalled (the engine
@@ -47,7 +48,8 @@ class EngineUnavailable(Exception):
 class Flight:
   """One request in a slot, as the asyncio side sees it."""
 
-  __slots__ = ("loop", "queue", "submitted", "slot", "abandoned", "device_done", "request_id")
+  __slots__ = ("loop", "queue", "submitted", "slot", "abandoned", "device_done", "request_id",
+               "created")
 
   def __init__(self, loop: asyncio.AbstractEventLoop, request_id: int):
     self.loop = loop
@@ -57,6 +59,7 @@ class Flight:
     self.abandoned = False
     self.device_done = False  # the device finished it (set on the asyncio side on delivery)
     self.request_id = request_id
+    self.created = time.monotonic()  # its time in the queue counts from here
 
   async def next(self) -> mailbox.Output:
     item = await self.queue.get()
@@ -88,10 +91,11 @@ class DriverOptions:
   # never). It must exceed the longest step (one schedule -> model -> commit; a long prompt is
   # prefilled in steps of at most the token budget, each of which moves the counters).
   engine_stall_s: float = 10.0
-  # With every slot of this worker in use, up to max_queued requests wait (FIFO) for the next
-  # slot it frees, each at most queue_timeout_s; beyond either: SlotsFullError (429).
-  max_queued: int = 0
-  queue_timeout_s: float = 30.0
+  # With every slot of this worker in use, up to max_queued_requests requests wait (FIFO) for
+  # the next slot it frees, each at most queue_timeout_s (0: no limit); beyond either:
+  # SlotsFullError (503 + Retry-After, as vLLM past --max-num-queued-reqs).
+  max_queued_requests: int = 0
+  queue_timeout_s: float = 0.0
 
 
 # Header counters that move whenever the device loop goes round (every schedule and commit;
@@ -140,6 +144,7 @@ class MailboxDriver:
     self.stalled = False  # READY, but no progress for engine_stall_s
     self.failed: EngineUnavailable | None = None  # fail_all(): every request is refused so
     self._waiting: collections.deque = collections.deque()  # (flight, request, deadline)
+    self._last_waiting = 0  # the queue length the metrics show
     self._progress_sig: tuple | None = None
     self._progress_at = 0.0
     self._progress_check: float | None = None
@@ -183,7 +188,7 @@ class MailboxDriver:
   # ---- asyncio side ----
   async def submit(self, req: mailbox.Request) -> Flight:
     """Places `req` in a free slot of this worker, waiting in the FIFO queue if they are all in
-    use (`max_queued`, `queue_timeout_s`). Raises SlotsFullError, EngineUnavailable."""
+    use (`max_queued_requests`, `queue_timeout_s`). Raises SlotsFullError, EngineUnavailable."""
     if self._closed:
       raise EngineUnavailable("the frontend is shutting down", code="shutting_down")
     flight = Flight(asyncio.get_running_loop(), req.request_id)
@@ -235,6 +240,9 @@ class MailboxDriver:
           drain_deadline = self._run_commands(drain_deadline)
       except Exception as e:  # transport failure: fail what is in flight, reconnect later
         self._transport_failed(e)
+      if self.metrics is not None and len(self._waiting) != self._last_waiting:
+        self._last_waiting = len(self._waiting)
+        self.metrics.set_waiting(self._last_waiting)
       if drain_deadline is not None and (not self._active or time.monotonic() > drain_deadline
                                          or self.client is None):
         break
@@ -395,17 +403,21 @@ class MailboxDriver:
   def _place(self, flight: Flight, slot: int) -> None:
     flight.slot = slot
     self._active[slot] = flight
+    if self.metrics is not None:
+      self.metrics.queue_time.observe(time.monotonic() - flight.created)
     self._post(_resolve, flight.submitted, slot)
     self._update_slots()
 
   def _enqueue(self, flight: Flight, req: mailbox.Request,
                full: mailbox.SlotsFullError | None = None) -> None:
-    if len(self._waiting) >= self.opt.max_queued:
+    if len(self._waiting) >= self.opt.max_queued_requests:
       why = (f"all {self.slots_total} slots of worker {self.worker} are busy" +
-             (f" and {len(self._waiting)} requests are queued" if self.opt.max_queued else ""))
+             (f" and {len(self._waiting)} requests are queued"
+              if self.opt.max_queued_requests else ""))
       self._post(_resolve, flight.submitted, None, full or mailbox.SlotsFullError(why))
       return
-    self._waiting.append((flight, req, time.monotonic() + self.opt.queue_timeout_s))
+    timeout = self.opt.queue_timeout_s
+    self._waiting.append((flight, req, flight.created + timeout if timeout > 0 else None))
 
   def _admit_waiting(self, now: float) -> None:
     """Gives freed slots to the queue's head, in order; ends those waiting past the timeout."""
@@ -426,10 +438,12 @@ class MailboxDriver:
         continue
       self._waiting.popleft()
       self._place(flight, slot)
-    while self._waiting and self._waiting[0][2] <= now:  # same timeout: deadlines in order
+    while self._waiting and self._waiting[0][2] is not None and self._waiting[0][2] <= now:
+      # One timeout for all: the deadlines are in queue order.
       flight, _, _ = self._waiting.popleft()
       self._post(_resolve, flight.submitted, None, mailbox.SlotsFullError(
-          f"no slot of worker {self.worker} came free in {self.opt.queue_timeout_s:g}s"))
+          f"no slot of worker {self.worker} came free in {self.opt.queue_timeout_s:g}s "
+          "(queue_timeout_s)"))
 
   def _fail_waiting(self, exc: Exception) -> None:
     while self._waiting:

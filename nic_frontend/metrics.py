@@ -5,7 +5,10 @@ PROMETHEUS_MULTIPROC_DIR is set, which scripts/serve.py does for several workers
   blink_frontend_time_to_first_token_seconds, blink_frontend_time_per_output_token_seconds,
   blink_frontend_e2e_request_latency_seconds (histograms), blink_frontend_requests_total
   {endpoint, status}, blink_frontend_{prompt,generation}_tokens_total, blink_frontend_slots
-  _{in_use,total}{worker} and the ring occupancy ratio, blink_frontend_output_ring_fill_ratio.
+  _{in_use,total}{worker} and the ring occupancy ratio, blink_frontend_output_ring_fill_ratio,
+  and the queue of requests waiting for a slot under vLLM's names: blink_frontend_num_requests
+  _waiting{worker} and blink_frontend_request_queue_time_seconds (every request, 0 for one that
+  found a free slot).
 Engine metrics, read from the mailbox header at scrape time (published by the GPU):
   blink_engine_state, blink_gpu_<counter>_total for the monotonic counters and blink_gpu_<gauge>
   for pages_in_use, pages_total, running, waiting, last_step_tokens.
@@ -31,6 +34,8 @@ _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0
                  0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                 50.0, 60.0, 120.0, 240.0, 480.0)
+_QUEUE_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 320.0)
 _FILL_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 
 
@@ -109,14 +114,24 @@ class FrontendMetrics:
                                 "Fraction of this worker's slot ring in use", ["worker"],
                                 registry=own, **({"multiprocess_mode": "max"}
                                                  if self.multiprocess else {}))
+    self.waiting = Gauge("blink_frontend_num_requests_waiting",
+                         "Requests of this worker waiting (FIFO) for a free mailbox slot",
+                         ["worker"], registry=own, **gauge_kw)
+    self.queue_time = Histogram("blink_frontend_request_queue_time_seconds",
+                                "Time from a request's submission to its mailbox slot",
+                                buckets=_QUEUE_BUCKETS, registry=own)
     self.output_fill = Histogram("blink_frontend_output_ring_fill_ratio",
                                  "Fill of a slot's output ring when the frontend read it",
                                  buckets=_FILL_BUCKETS, registry=own)
+    self.set_waiting(0)
 
   def set_slots(self, in_use: int, total: int) -> None:
     self.slots_in_use.labels(self.worker).set(in_use)
     self.slots_total.labels(self.worker).set(total)
     self.ring_occupancy.labels(self.worker).set(in_use / total if total else 0.0)
+
+  def set_waiting(self, n: int) -> None:
+    self.waiting.labels(self.worker).set(n)
 
   def request_done(self, endpoint: str, status: int) -> None:
     self.requests.labels(endpoint, str(status)).inc()

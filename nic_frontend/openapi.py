@@ -22,9 +22,9 @@ ERROR_STATUSES = {
     "404": "no such model",
     "408": "the request did not arrive in time",
     "413": "request body too large",
-    "429": "all request slots of the worker are in use; retry after Retry-After seconds",
-    "503": "the engine is not ready, or the server is shutting down or has too many "
-           "connections; retry after Retry-After seconds",
+    "503": "the engine is not ready, the server is shutting down, has too many connections, "
+           "or its queue of requests waiting for a slot is full; retry after Retry-After "
+           "seconds",
 }
 
 
@@ -228,7 +228,7 @@ def document(names: Sequence[str], limits: api.Limits | None = None, *, api_key:
             "200": {"description": "the result, or its server-sent events with stream: true",
                     "content": {"application/json": {"schema": _ref(response)},
                                 "text/event-stream": {"schema": _ref("Event")}}},
-            **_errors(*everywhere, *auth, "404", "413", "429")}}
+            **_errors(*everywhere, *auth, "404", "413")}}
 
   def get(summary: str, schema: dict, *errors: str, media: str = "application/json",
           extra: dict | None = None) -> dict:

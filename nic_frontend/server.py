@@ -487,9 +487,10 @@ class Frontend:
       for f in flights:
         self.driver.abandon(f, "error")
       if isinstance(e, mailbox.SlotsFullError):
-        raise api.ApiError(429, f"The server is busy ({e or 'every request slot is in use'})."
+        # As vLLM past --max-num-queued-reqs: 503, the client may come back.
+        raise api.ApiError(503, f"The server is busy ({e or 'every request slot is in use'})."
                                 " Retry later.",
-                           type="rate_limit_error", code="rate_limit_exceeded",
+                           type="service_unavailable", code="queue_full",
                            headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
       if isinstance(e, EngineUnavailable):
         raise api.ApiError(503, str(e), type="service_unavailable", code="engine_unavailable",

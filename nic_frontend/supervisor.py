@@ -54,8 +54,10 @@ class ServeOptions:
   run_dir: str | None = None      # ready files, metrics of several workers (default: temp)
   start_timeout_s: float = 120.0
   engine_stall_s: float = 10.0    # no progress this long with requests pending: failed (0: off)
-  max_queued: int = 512           # per worker: requests waiting (FIFO) for one of its slots
-  queue_timeout_s: float = 60.0   # ... each at most this long, then 429
+  # Per worker: requests waiting (FIFO) for one of its slots (its connection cap, 4096, bounds
+  # them too), each at most queue_timeout_s (0: no limit); the rest get 503 + Retry-After.
+  max_queued_requests: int = 4096
+  queue_timeout_s: float = 0.0
   metrics_require_key: bool = False  # /metrics needs the API key too
 
 
@@ -173,7 +175,8 @@ class Serving:
            str(self.engine.mailbox_workers),
            "--host", o.host, "--port", str(o.port), "--grace-s", str(o.grace_s),
            "--max-body-bytes", str(o.max_body_bytes), "--ready-file", str(ready),
-           "--engine-stall-s", str(o.engine_stall_s), "--max-queued", str(o.max_queued),
+           "--engine-stall-s", str(o.engine_stall_s), "--max-queued-requests",
+           str(o.max_queued_requests),
            "--queue-timeout-s", str(o.queue_timeout_s), "--parent-pid", str(os.getpid())]
     # What this process removes at its shutdown, for the workers to remove if it is killed.
     if self.shm_name:

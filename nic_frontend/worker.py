@@ -60,11 +60,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--engine-stall-s", type=float, default=10.0,
                  help="the engine is stalled when none of its loop counters moved for this "
                       "long (0: never); must exceed its longest step")
-  p.add_argument("--max-queued", type=int, default=0,
+  p.add_argument("--max-queued-requests", type=int, default=0,
                  help="requests that may wait (FIFO) for a slot of this worker when all are "
-                      "in use (0: 429 at once)")
-  p.add_argument("--queue-timeout-s", type=float, default=30.0,
-                 help="how long a queued request waits for a slot before its 429")
+                      "in use (0: none; the rest get 503 + Retry-After)")
+  p.add_argument("--queue-timeout-s", type=float, default=0.0,
+                 help="how long a queued request waits for a slot before its 503 (0: no "
+                      "limit)")
   p.add_argument("--metrics-require-key", action="store_true",
                  help="/metrics requires the API key too")
   p.add_argument("--ready-file", default=None,
@@ -98,7 +99,8 @@ async def serve(args: argparse.Namespace) -> int:
                           token=token)
   tokenizer = Tokenizer(args.tokenizer)
   api_key = args.api_key if args.api_key is not None else env.api_key()
-  driver_opts = DriverOptions(engine_stall_s=args.engine_stall_s, max_queued=args.max_queued,
+  driver_opts = DriverOptions(engine_stall_s=args.engine_stall_s,
+                              max_queued_requests=args.max_queued_requests,
                               queue_timeout_s=args.queue_timeout_s)
   if args.metrics_require_key and not api_key:
     raise SystemExit("--metrics-require-key needs an API key")

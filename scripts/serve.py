@@ -59,10 +59,10 @@ flags.DEFINE_integer("relay_port", 0, "Port of the tcp relay (0: any free port).
 flags.DEFINE_float("grace_s", 30.0, "On shutdown, how long requests in flight may take.")
 flags.DEFINE_float("engine_stall_s", 10.0, "The engine has failed when its loop makes no "
                    "progress for this long (0: never); it must exceed the longest step.")
-flags.DEFINE_integer("max_queued", 512, "Requests per worker that wait (FIFO) for one of its "
-                     "slots when all are in use (0: 429 at once).")
-flags.DEFINE_float("queue_timeout_s", 60.0, "How long a queued request waits for a slot "
-                   "before its 429.")
+flags.DEFINE_integer("max_queued_requests", 4096, "Requests per worker that wait (FIFO) for "
+                     "one of its slots when all are in use; the rest get 503 + Retry-After.")
+flags.DEFINE_float("queue_timeout_s", 0.0, "How long a queued request waits for a slot before "
+                   "its 503 (0: no limit).")
 flags.DEFINE_integer("max_body_bytes", 16 << 20, "Largest accepted request body.")
 flags.DEFINE_multi_string("served_model_name", [], "Additional model names to accept.")
 engine_config.define_flags()
@@ -105,10 +105,10 @@ def check_flags() -> engine_config.EngineConfig:
       raise usage(f"--{name} must be in 0..65535, got {FLAGS[name].value}")
   if FLAGS.port == 0 and FLAGS.workers > 1:
     raise usage("--port 0 (any free port) works with one worker only: the workers share a port")
-  for name in ("grace_s", "engine_stall_s", "max_queued"):
+  for name in ("grace_s", "engine_stall_s", "max_queued_requests", "queue_timeout_s"):
     if FLAGS[name].value < 0:
       raise usage(f"--{name} must be >= 0, got {FLAGS[name].value}")
-  for name in ("queue_timeout_s", "max_body_bytes"):
+  for name in ("max_body_bytes",):
     if FLAGS[name].value <= 0:
       raise usage(f"--{name} must be > 0, got {FLAGS[name].value}")
   for b in FLAGS.buckets or ():
@@ -183,7 +183,8 @@ def main(argv) -> int:
                       relay_host=FLAGS.relay_host, relay_port=FLAGS.relay_port,
                       max_body_bytes=FLAGS.max_body_bytes,
                       served_model_names=tuple(FLAGS.served_model_name),
-                      engine_stall_s=FLAGS.engine_stall_s, max_queued=FLAGS.max_queued,
+                      engine_stall_s=FLAGS.engine_stall_s,
+                      max_queued_requests=FLAGS.max_queued_requests,
                       queue_timeout_s=FLAGS.queue_timeout_s,
                       metrics_require_key=FLAGS.metrics_require_key)
   serving = Serving(engine, opts)

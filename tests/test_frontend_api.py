@@ -620,9 +620,10 @@ def test_http_level_errors(stack):
   assert stack.http("POST", "/v1/completions", OK_C)[0] == 200
 
 
-def test_429_when_slots_are_full(stack, device_control):
-  """With every slot of the worker holding a request, the next one gets 429 + Retry-After;
-  the waiting requests' clients leave, their slots come back."""
+def test_503_when_slots_and_queue_are_full(stack, device_control):
+  """With every slot of the worker holding a request and no room in its queue (this worker has
+  none), the next one gets 503 + Retry-After, as vLLM past its queue bound; the waiting
+  requests' clients leave, their slots come back."""
   n = stack.device.dc.num_slots
   device_control.pause()
   conns = []
@@ -636,9 +637,9 @@ def test_429_when_slots_are_full(stack, device_control):
     wait_until(lambda: stack.metric("blink_frontend_slots_in_use", worker="0") == n, 20,
                what="all slots in use")
     s, h, b = stack.http("POST", "/v1/completions", OK_C)
-    err = _check_error(s, h, b, 429, code="rate_limit_exceeded")
+    err = _check_error(s, h, b, 503, code="queue_full")
     assert h.get("Retry-After") == "1"
-    with pytest.raises(openai.RateLimitError):
+    with pytest.raises(openai.InternalServerError):
       stack.client().completions.create(**OK_C)
   finally:
     for conn in conns:

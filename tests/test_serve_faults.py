@@ -26,6 +26,7 @@ from blink_jax.client import mailbox as M
 from blink_jax.client import protocol as P
 from blink_jax.client import shm
 from nic_frontend.driver import DriverOptions, EngineUnavailable, MailboxDriver
+from nic_frontend.metrics import FrontendMetrics
 from tests import fake_device as FD
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,6 +102,7 @@ class Outcome:
   body: dict | None = None
   transport_error: str | None = None  # the connection broke (a reset, no final event)
   ended_at: float = 0.0
+  headers: dict = dataclasses.field(default_factory=dict)
 
 
 async def _stream(session, srv: Served, body: dict, started: asyncio.Event | None = None):
@@ -132,6 +134,7 @@ async def _plain(session, srv: Served, body: dict):
       out.status = r.status
       out.body = await r.json(content_type=None)
       out.events = [r.headers.get("x-blink-worker")]
+      out.headers = dict(r.headers)
   except (aiohttp.ClientError, asyncio.TimeoutError) as e:
     out.transport_error = f"{type(e).__name__}: {e}"
   out.ended_at = time.monotonic()
@@ -296,7 +299,7 @@ def test_sigterm_past_grace_ends_every_stream_in_time(tokenizer_path, tmp_path):
     (["--ckpt", "x", "--port", "70000"], "--port must be in 0..65535"),
     (["--ckpt", "x", "--grace_s", "-1"], "--grace_s must be >= 0"),
     (["--ckpt", "x", "--engine_stall_s", "-2"], "--engine_stall_s must be >= 0"),
-    (["--ckpt", "x", "--queue_timeout_s", "0"], "--queue_timeout_s must be > 0"),
+    (["--ckpt", "x", "--queue_timeout_s", "-1"], "--queue_timeout_s must be >= 0"),
     (["--ckpt", "x", "--api_key_file", "/nonexistent/key"], "No such file"),
     (["--ckpt", "x", "--api_key", "a", "--api_key_file", "f"], "not both"),
     (["--ckpt", "x", "--metrics_require_key"], "--metrics_require_key needs an API key"),
@@ -368,12 +371,33 @@ def test_two_workers_queue_requests_instead_of_429(tokenizer_path, tmp_path):
     assert "visible to every user of this machine" in srv.log_text()
 
 
-def _driver_world(tokenizer_path, dc, options):
+def test_a_full_queue_gives_503_and_leaves_admitted_requests_alone(tokenizer_path, tmp_path):
+  """--max_queued_requests 2 with 4 slots and 16 requests at once: the excess gets 503 +
+  Retry-After (code queue_full), every admitted or queued request completes in full."""
+  with fake_serve(tmp_path, tokenizer_path, ["--num_slots", "4", "--max_queued_requests", "2",
+                                             "--fake_step_delay_s", "0.01"]) as srv:
+    async def main():
+      async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        return await asyncio.gather(*(_plain(session, srv, {**SHORT, "max_tokens": 30,
+                                                            "ignore_eos": True})
+                                      for _ in range(16)))
+
+    outs = asyncio.run(main())
+    done = [o for o in outs if o.status == 200]
+    refused = [o for o in outs if o.status == 503]
+    assert len(done) + len(refused) == 16, [(o.status, o.body) for o in outs]
+    assert len(done) >= 6 and refused, [o.status for o in outs]
+    assert all(o.body["usage"]["completion_tokens"] == 30 for o in done)
+    assert {o.body["error"]["code"] for o in refused} == {"queue_full"}
+    assert all(o.headers.get("Retry-After") for o in refused)
+
+
+def _driver_world(tokenizer_path, dc, options, metrics=None):
   """(running device, driver) context: a MailboxDriver over a FakeDevice's mailbox."""
   @contextlib.asynccontextmanager
   async def world():
     with FD.running_device(tokenizer_path, dc) as fake:
-      d = MailboxDriver(fake.region, options=options)
+      d = MailboxDriver(fake.region, options=options, metrics=metrics)
       d.start(asyncio.get_running_loop())
       try:
         for _ in range(500):
@@ -399,8 +423,14 @@ def test_driver_queues_fifo_and_a_leaver_leaves_the_queue(tokenizer_path):
   req = lambda: M.Request(prompt=[2, 3], max_tokens=3, ignore_eos=True)  # noqa: E731
 
   async def main():
-    opts = DriverOptions(max_queued=3, queue_timeout_s=30)
-    async with _driver_world(tokenizer_path, FD.DeviceConfig(num_slots=2), opts) as (fake, d):
+    opts = DriverOptions(max_queued_requests=3, queue_timeout_s=30)
+    metrics = FrontendMetrics(0)
+    waiting = lambda: metrics.registry.get_sample_value(  # noqa: E731
+        "blink_frontend_num_requests_waiting", {"worker": "0"})
+    queue_time = lambda what: metrics.registry.get_sample_value(  # noqa: E731
+        f"blink_frontend_request_queue_time_seconds_{what}")
+    async with _driver_world(tokenizer_path, FD.DeviceConfig(num_slots=2), opts,
+                             metrics) as (fake, d):
       fake.device.pause()
       a, b = await d.submit(req()), await d.submit(req())
       order = []
@@ -417,7 +447,9 @@ def test_driver_queues_fifo_and_a_leaver_leaves_the_queue(tokenizer_path):
       e = asyncio.create_task(queued("e"))
       await asyncio.sleep(0.05)
       assert d.queued == 3 and not (c.done() or e.done() or leaver.done())
-      with pytest.raises(M.SlotsFullError):  # the queue is full: 429
+      await asyncio.sleep(0.05)
+      assert waiting() == 3 and queue_time("count") == 2  # a and b found slots at once
+      with pytest.raises(M.SlotsFullError):  # the queue is full: 503
         await d.submit(req())
       leaver.cancel()  # its client went away while it waited
       await asyncio.sleep(0.05)
@@ -427,6 +459,9 @@ def test_driver_queues_fifo_and_a_leaver_leaves_the_queue(tokenizer_path):
         assert len(await _run_to_end(f)) == 3
       fc, fe = await asyncio.wait_for(c, 5), await asyncio.wait_for(e, 5)
       assert order == ["c", "e"] and d.queued == 0
+      await asyncio.sleep(0.05)
+      # Every request that reached a slot was counted once; c and e waited >= 0.1 s each.
+      assert waiting() == 0 and queue_time("count") == 4 and queue_time("sum") >= 0.2
       for f in (fc, fe):
         assert len(await _run_to_end(f)) == 3
       assert len(fake.device.requests) == 4  # the leaver never reached a slot
@@ -436,7 +471,7 @@ def test_driver_queues_fifo_and_a_leaver_leaves_the_queue(tokenizer_path):
 
 def test_driver_queue_timeout(tokenizer_path):
   async def main():
-    opts = DriverOptions(max_queued=4, queue_timeout_s=0.3)
+    opts = DriverOptions(max_queued_requests=4, queue_timeout_s=0.3)
     async with _driver_world(tokenizer_path, FD.DeviceConfig(num_slots=1), opts) as (fake, d):
       fake.device.pause()
       held = await d.submit(M.Request(prompt=[2], max_tokens=2))
@@ -454,7 +489,7 @@ def test_driver_queue_timeout(tokenizer_path):
 
 def test_driver_stall_fails_requests_and_recovers(tokenizer_path):
   async def main():
-    opts = DriverOptions(engine_stall_s=0.5, max_queued=2)
+    opts = DriverOptions(engine_stall_s=0.5, max_queued_requests=2)
     dc = FD.DeviceConfig(num_slots=1)
     async with _driver_world(tokenizer_path, dc, opts) as (fake, d):
       running = await d.submit(M.Request(prompt=[2], max_tokens=500, ignore_eos=True))

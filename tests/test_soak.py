@@ -48,7 +48,7 @@ def soak_stack(tmp_path_factory):
   model = Gemma(tiny_config("gemma3", vocab_size=tok.vocab_size), dtype=jnp.float32,
                 rngs=nnx.Rngs(8))
   engine, region, proc, url = _serve(model, tok, tok_path, tmp, "tiny-soak", max_seqs=8,
-                                     num_slots=16, worker_args=["--max-queued", "64"])
+                                     num_slots=16, worker_args=["--max-queued-requests", "64"])
   yield model, tok, engine, url
   _stop(engine, region, proc)
 
