@@ -371,6 +371,52 @@ def test_two_workers_queue_requests_instead_of_429(tokenizer_path, tmp_path):
     assert "visible to every user of this machine" in srv.log_text()
 
 
+def test_a_burst_of_2000_streams_at_the_serve_defaults(tokenizer_path, tmp_path):
+  """serve.py with no sizing flags (8 lanes, 64 slots a worker) and 2,000 streaming requests
+  at once through the openai client: every one completes with the text a lone request gets,
+  no 429 and no 5xx (they wait in the worker's queue), and everything is free afterwards."""
+  import openai
+  try:  # openai 3 runs on httpx2, older releases on httpx
+    import httpx2 as httpx
+  except ImportError:
+    import httpx
+
+  prompts = ["hi", "hello there", "once upon a time", "the quick brown fox jumps"]
+  with fake_serve(tmp_path, tokenizer_path, []) as srv:
+    def client(**kw):
+      return openai.AsyncOpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0,
+                                timeout=120, **kw)
+
+    async def stream(ac, prompt):
+      text, finish = "", None
+      async for c in await ac.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
+                                                 stream=True):
+        for ch in c.choices:
+          text += ch.text
+          finish = ch.finish_reason or finish
+      return text, finish
+
+    async def main():
+      lone = {}
+      async with client() as ac:
+        for p in prompts:
+          lone[p] = await stream(ac, p)
+      # openai's own client keeps at most 1,000 connections: all 2,000 at once need more.
+      limits = httpx.Limits(max_connections=2100, max_keepalive_connections=0)
+      async with openai.DefaultAsyncHttpxClient(limits=limits) as http_client:
+        async with client(http_client=http_client) as ac:
+          got = await asyncio.gather(*(stream(ac, prompts[i % 4]) for i in range(2000)),
+                                     return_exceptions=True)
+      return lone, got
+
+    lone, got = asyncio.run(main())
+    failed = [g for g in got if isinstance(g, BaseException)]
+    assert not failed, f"{len(failed)} failed, e.g. {failed[:3]}"
+    assert all(g == lone[prompts[i % 4]] for i, g in enumerate(got))
+    status, _, health = FD.http_request(srv.port, "GET", "/health")
+    assert status == 200 and health["slots_in_use"] == 0, health
+
+
 def test_a_full_queue_gives_503_and_leaves_admitted_requests_alone(tokenizer_path, tmp_path):
   """--max_queued_requests 2 with 4 slots and 16 requests at once: the excess gets 503 +
   Retry-After (code queue_full), every admitted or queued request completes in full."""
