@@ -58,6 +58,7 @@ kernel_profile  | kernel_profile         | for b in 1 64; do python3 -m bench.ex
 step_profile    | step_kernels           | for b in 1 64; do rm -rf /tmp/step_profile; python3 -m bench.step --config gemma3-1b --batches $b --prefill_lengths "" --noscheduler --nocommand_buffers --profile /tmp/step_profile --profile_steps 20 --out "$OUT/step_profiled_b$b.json" $ARGS && python3 -m bench.kernel_profile --trace /tmp/step_profile/decode_b$b --iterations 20 --top 40 --out "${out%.json}_b$b.json" | head -60; done
 hf              | hf_reference           | python3 -m bench.hf_reference --config gemma3-1b --prompt 1024 --tokens 128 --repeats 3 --compile ${HF_COMPILE:-eager,auto,max-autotune} --out "$out" $ARGS
 serving         | -                      | TOKENIZER=${TOKENIZER:-.carry/tokenizer.model} bash bench/serving_suite.sh
+vllm_install    | -                      | bash bench/vllm_install.sh
 hlo             | -                      | python3 -m bench.diag.dump_engine_hlo --config gemma3-1b --out "$OUT/loop_hlo_1b${TAG:+_$TAG}.txt" $ARGS | grep -E "copy instructions|KV cache|loop report|^kernels \(min"; gzip -f "$OUT/loop_hlo_1b${TAG:+_$TAG}.txt"
 loop_overhead   | loop_overhead          | python3 -m bench.diag.loop_overhead --iters 20000 --repeats 2 --interference 32 --out "$out" $ARGS
 loop_bisect     | loop_bisect            | python3 -m bench.diag.loop_overhead --iters 20000 --repeats 2 --interference 32 --variants trivial,nested,ffi_s,ffi_c,ffi_sc,model-gemma3-1b-b1,model-gemma3-1b-b1+ffi_sc --out "$out" $ARGS
@@ -75,6 +76,11 @@ export GPU_TEST_FILES=$(echo $GPU_TEST_FILES)
 # recipes take KernelOptions flags (--attention --prefill --norm --gemv --decode_rows);
 # executor_host with BLINK_HOST_MIN_GRAPH_SIZE=1 is finding 19; model_loop with
 # ARGS=--xla_extra=... compares XLA flags (findings 20, 38).
+# The vLLM peer (issue 27), in one lease: eight calls that each carry one wheel part and copy
+# it to /tmp/wh (`carry: [".whl/vllm026.tar.part-NN", ".whl/SHA256SUMS"]`, command
+# `mkdir -p /tmp/wh && cp .whl/vllm026.tar.part-* /tmp/wh/`), one that carries .carry/peer
+# (`python -m bench.peer model_dir`) and .carry/tokenizer.model, then
+# `bash bench/gpu_check.sh vllm_install serving` with MODES="persistent host vllm".
 declare -A RESULT CMD
 ORDER=()
 while IFS='|' read -r name result cmd; do

@@ -66,6 +66,8 @@ def define_flags() -> None:
   flags.DEFINE_list("frontend_cpus", [], "cores of the frontend (SmartNIC role); the "
                     "interference avoids them (empty: interference on all cores, unpinned)")
   flags.DEFINE_string("label", "default", "name of this configuration in results and plots")
+  flags.DEFINE_string("server_info", None, "JSON file on the server (version, effective "
+                      "settings: `python -m bench.peer server_info`), kept in the result")
   flags.DEFINE_string("out", None, "JSON result (default: bench/results/serving_<label>.json)")
   flags.DEFINE_bool("plot", True, "write a PNG next to the JSON")
   flags.DEFINE_string("plot_out", None, "PNG path (default: the JSON's with .png)")
@@ -594,6 +596,8 @@ def main(argv):
            "interference_cpus": (interference_cpus if frontend_cpus else "all")
            if FLAGS.interference else None,
            "energy_note": sampler.reason, "requests": per_request}
+  if FLAGS.server_info:
+    extra["server_info"] = json.loads(pathlib.Path(FLAGS.server_info).read_text())
   out = FLAGS.out or f"bench/results/serving_{FLAGS.label}.json"
   path = C.write_result(out, "serving", rows, extra)
   print(C.table(rows, TABLE_COLS))

@@ -3,10 +3,15 @@
 # start scripts/serve.py (random weights), run bench/serving.py over a sweep of
 # request rates, quiet and under 2 x nproc thrashing processes with the frontend pinned to its
 # own cores (SmartNIC role), plus one unpinned run; then plot everything together.
-# Usage: TOKENIZER=path/tokenizer.model [SHAPES=...] [MODES="persistent host"] [RATES=2,4,8,inf]
+# Usage: TOKENIZER=path/tokenizer.model [SHAPES=...] [MODES="persistent host vllm"] [RATES=2,4,8,inf]
 #        [NUM_PROMPTS=48] [UNPINNED=gemma3-1b:persistent] [SLO_TTFT_MS=1000] [SLO_TPOT_MS=10]
 #        [SERVE_ARGS="--gemv none ..." (more serve.py flags, e.g. KernelOptions')]
+#        [PEER_DIR=.carry/peer VLLM_SITE=/tmp/site VLLM_ARGS="..."]
 #        OUT=dir bash bench/serving_suite.sh
+# Mode vllm: the peer, vLLM 0.26 with random weights in the same shape (`--load-format dummy`)
+# on the engine's cores, over the same prompts, seeds and rates: its model folders come from
+# `python -m bench.peer model_dir` (PEER_DIR), its wheels from bench/vllm_install.sh (VLLM_SITE).
+# Every result keeps the server's version and effective settings from its startup log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # scripts/serve.py, python -m bench.serving
@@ -26,8 +31,12 @@ NCPU=$(nproc)
 FRONT=0,1                       # the frontend's cores (a SmartNIC's, out of the host's reach)
 ENGINE_CPUS=2-$((NCPU - 1))     # the engine shares these with the interference
 INT=$((2 * NCPU))
+PEER_DIR=${PEER_DIR:-.carry/peer}
+VLLM_SITE=${VLLM_SITE:-/tmp/site}
+SERVER_INFO=""
 bench() {  # label, port, interference, frontend cpus (empty: unpinned)
   python3 -m bench.serving --base_url "http://127.0.0.1:$2/v1" --num_prompts "$N" \
+    ${SERVER_INFO:+--server_info "$SERVER_INFO"} \
     --rates "$RATES" --max_context 2048 --max_input_len 1024 --interference "$3" \
     --slo_ttft_ms "$SLO_TTFT_MS" --slo_tpot_ms "$SLO_TPOT_MS" \
     --frontend_cpus "$4" --label "$1" --out "bench/results/serving_h200_$1.json" 2>&1 \
@@ -38,17 +47,32 @@ bench() {  # label, port, interference, frontend cpus (empty: unpinned)
 for shape in $SHAPES; do
   for mode in $MODES; do
     port=$((8100 + RANDOM % 800))
+    log="$OUT/serve_${shape}_${mode}.log"
     echo "== $(date -u +%T) serve $shape $mode on :$port"
-    taskset -c "$ENGINE_CPUS" python3 scripts/serve.py --ckpt "random:$shape" \
-      --tokenizer "$TOKENIZER" --mode "$mode" --port "$port" --max_seqs 64 \
-      --max_context 2048 --num_slots 128 ${SERVE_ARGS:-} >"$OUT/serve_${shape}_${mode}.log" 2>&1 &
+    if [ "$mode" = vllm ]; then
+      # vLLM's defaults otherwise (chunked prefill, its attention backend, CUDA graphs).
+      PYTHONPATH="$VLLM_SITE:$VLLM_SITE/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH" \
+        HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 taskset -c "$ENGINE_CPUS" \
+        python3 -m vllm.entrypoints.openai.api_server --model "$PEER_DIR/$shape" \
+        --tokenizer "$PEER_DIR/tokenizer" --served-model-name "random:$shape" \
+        --load-format dummy --dtype bfloat16 --max-num-seqs 256 --max-model-len 2048 \
+        --port "$port" ${VLLM_ARGS:-} >"$log" 2>&1 &
+      kind=vllm
+    else
+      taskset -c "$ENGINE_CPUS" python3 scripts/serve.py --ckpt "random:$shape" \
+        --tokenizer "$TOKENIZER" --mode "$mode" --port "$port" --max_seqs 64 \
+        --max_context 2048 --num_slots 128 ${SERVE_ARGS:-} >"$log" 2>&1 &
+      kind=blink
+    fi
     srv=$!
-    for _ in $(seq 300); do
+    for _ in $(seq 420); do  # vLLM: about 3 min (torch.compile, CUDA graph capture)
       curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
       kill -0 $srv 2>/dev/null || break
       sleep 1
     done
-    grep -E "serving loop on the device|op by op|engine up" "$OUT/serve_${shape}_${mode}.log" | tail -2
+    grep -E "serving loop on the device|op by op|engine up|API server version" "$log" | tail -2
+    SERVER_INFO="$OUT/server_${shape}_${mode}.json"
+    python3 -m bench.peer server_info --kind "$kind" --log "$log" --out "$SERVER_INFO"
     for p in $(pgrep -f "nic_frontend.worker.*--port $port"); do taskset -pc $FRONT "$p" >/dev/null; done
     bench "${shape}_${mode}_quiet" "$port" 0 "$FRONT"
     bench "${shape}_${mode}_int${INT}" "$port" "$INT" "$FRONT"

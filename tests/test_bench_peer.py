@@ -1,0 +1,44 @@
+"""The peer's model folder (bench/peer.py): a transformers config in the project's
+shape and a tokenizer with the bundled model's token ids, which vLLM serves beside
+blink-jax's `random:<shape>` (issue 27)."""
+import pytest
+
+from blink_jax.client.tokenizer import Tokenizer
+from blink_jax.model.config import get_config
+
+
+@pytest.mark.parametrize("shape", ["gemma3-270m"])
+def test_peer_model_dir_has_the_shape_and_the_token_ids(shape, gguf_file, gemma_dir, tmp_path):
+  transformers = pytest.importorskip("transformers")
+  from bench.peer import write_model_dirs
+
+  out = write_model_dirs([shape], tmp_path / "peer", gguf=gguf_file)
+  cfg = get_config(shape)
+  hf = transformers.AutoConfig.from_pretrained(out / shape)
+  assert hf.architectures == ["Gemma3ForCausalLM"]
+  assert (hf.vocab_size, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers,
+          hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.sliding_window) == (
+              cfg.vocab_size, cfg.d_model, cfg.ffw_hidden, cfg.num_layers, cfg.num_heads,
+              cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
+  assert [t == "full_attention" for t in hf.layer_types] == [
+      cfg.is_global(i) for i in range(cfg.num_layers)]
+  ours = Tokenizer(str(gemma_dir / "tokenizer.model"))
+  theirs = transformers.AutoTokenizer.from_pretrained(out / "tokenizer")
+  for text in ["The capital of France is", "naïve café, 東京 🙂", "  two  spaces\nand a line"]:
+    assert theirs(text)["input_ids"] == ours.encode(text, add_bos=True), text
+  assert hf.eos_token_id == 1 and hf.bos_token_id == 2
+
+
+def test_server_info_reads_version_and_settings_from_a_vllm_log():
+  from bench.peer import server_info
+  log = """INFO 12-02 10:00:00 [api_server.py:1] vLLM API server version 0.26.0
+INFO 12-02 10:00:00 [utils.py:2] non-default args: {'model': '/tmp/m', 'load_format': 'dummy', 'max_num_seqs': 256}
+INFO 12-02 10:00:01 [config.py:3] Chunked prefill is enabled with max_num_batched_tokens=8192.
+INFO 12-02 10:00:30 [worker.py:4] Some unrelated line
+INFO 12-02 10:01:00 [kv_cache_utils.py:5] GPU KV cache size: 1,234,567 tokens
+"""
+  info = server_info("vllm", log)
+  assert info["server"] == "vllm" and info["version"] == "0.26.0"
+  assert len(info["settings"]) == 4 and not any("unrelated" in s for s in info["settings"])
+  assert server_info("blink", "x blink.serve: engine up in 3.0s\n")["settings"] == [
+      "x blink.serve: engine up in 3.0s"]
