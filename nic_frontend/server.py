@@ -175,7 +175,8 @@ class _ParserPool:
   for as long as they run (a 5 MB body of nested arrays: 2.4 s), and SentencePiece, which
   mostly releases it, converts its ids to a list under it. A pool that breaks is replaced and
   the body tried once more; without a pool (parse_processes=0, or a tokenizer that cannot be
-  sent to one) large bodies are parsed in a thread."""
+  sent to one) large bodies are parsed in a thread (docs/NOTES.md, "What holds a frontend
+  worker's event loop")."""
 
   def __init__(self, tokenizer, processes: int):
     self.tokenizer = tokenizer
