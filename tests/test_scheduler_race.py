@@ -200,7 +200,17 @@ class RacingWriter:
 
 # ---------------------------------------------------------------- backends
 
-class HostBackend:
+class _Backend:
+  """What both backends do alike through their scheduler `s`."""
+
+  def schedule(self) -> np.ndarray:
+    return np.array(self.s.schedule())
+
+  def page_table(self) -> np.ndarray:
+    return self.s.page_table
+
+
+class HostBackend(_Backend):
   """The scheduler through the C API (the CPU handlers' code), buffers between guard words."""
 
   def __init__(self, cfg: F.SchedConfig, region: M.LocalRegion):
@@ -215,12 +225,6 @@ class HostBackend:
     self.s.state[...] = state
     self.s.history[...] = history
 
-  def schedule(self) -> np.ndarray:
-    return np.array(self.s.schedule())
-
-  def page_table(self) -> np.ndarray:
-    return self.s.page_table
-
   def commit(self, *outs) -> None:
     self.s.commit(*outs)
 
@@ -231,7 +235,7 @@ class HostBackend:
     pass
 
 
-class XlaBackend:
+class XlaBackend(_Backend):
   """blink_schedule / blink_commit through XLA on `device` (the CUDA handlers on a GPU, which
   read the mailbox through its host-mapped address)."""
 
@@ -247,12 +251,6 @@ class XlaBackend:
   def set_arrays(self, state: np.ndarray, history: np.ndarray) -> None:
     self.s.state = jax.device_put(state, self.device)
     self.s.history = jax.device_put(history, self.device)
-
-  def schedule(self) -> np.ndarray:
-    return np.array(self.s.schedule())
-
-  def page_table(self) -> np.ndarray:
-    return self.s.page_table
 
   def commit(self, *outs) -> None:
     self.s.commit(*outs)

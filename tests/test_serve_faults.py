@@ -141,6 +141,16 @@ async def _plain(session, srv: Served, body: dict):
   return out
 
 
+def _plain_burst(srv: Served, n: int, max_tokens: int) -> list:
+  """Outcomes of n non-streaming requests sent at once (max_tokens each, ignoring EOS)."""
+  async def main():
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+      return await asyncio.gather(*(_plain(session, srv, {**SHORT, "max_tokens": max_tokens,
+                                                          "ignore_eos": True})
+                                    for _ in range(n)))
+  return asyncio.run(main())
+
+
 async def _fault_round(srv: Served, fault, n_streams: int = 6, n_plain: int = 2):
   """Opens n_streams long streams and n_plain long non-streaming requests, applies `fault()`
   once every stream has its first event, and returns (time of the fault, stream outcomes,
@@ -357,13 +367,7 @@ def test_two_workers_queue_requests_instead_of_429(tokenizer_path, tmp_path):
   with fake_serve(tmp_path, tokenizer_path, ["--workers", "2", "--num_slots", "8",
                                              "--api_key", key, "--fake_step_delay_s", "0.002"],
                   key=key) as srv:
-    async def main():
-      async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        return await asyncio.gather(*(_plain(session, srv, {**SHORT, "max_tokens": 12,
-                                                            "ignore_eos": True})
-                                      for _ in range(64)))
-
-    outs = asyncio.run(main())
+    outs = _plain_burst(srv, 64, max_tokens=12)
     statuses = [o.status for o in outs]
     assert statuses == [200] * 64, [(o.status, o.body) for o in outs if o.status != 200][:3]
     assert {o.events[0] for o in outs} == {"0", "1"}
@@ -422,13 +426,7 @@ def test_a_full_queue_gives_503_and_leaves_admitted_requests_alone(tokenizer_pat
   Retry-After (code queue_full), every admitted or queued request completes in full."""
   with fake_serve(tmp_path, tokenizer_path, ["--num_slots", "4", "--max_queued_requests", "2",
                                              "--fake_step_delay_s", "0.01"]) as srv:
-    async def main():
-      async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        return await asyncio.gather(*(_plain(session, srv, {**SHORT, "max_tokens": 30,
-                                                            "ignore_eos": True})
-                                      for _ in range(16)))
-
-    outs = asyncio.run(main())
+    outs = _plain_burst(srv, 16, max_tokens=30)
     done = [o for o in outs if o.status == 200]
     refused = [o for o in outs if o.status == 503]
     assert len(done) + len(refused) == 16, [(o.status, o.body) for o in outs]
