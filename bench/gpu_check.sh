@@ -76,11 +76,15 @@ export GPU_TEST_FILES=$(echo $GPU_TEST_FILES)
 # recipes take KernelOptions flags (--attention --prefill --norm --gemv --decode_rows);
 # executor_host with BLINK_HOST_MIN_GRAPH_SIZE=1 is finding 19; model_loop with
 # ARGS=--xla_extra=... compares XLA flags (findings 20, 38).
-# The vLLM peer (issue 27), in one lease: eight calls that each carry one wheel part and copy
-# it to /tmp/wh (`carry: [".whl/vllm026.tar.part-NN", ".whl/SHA256SUMS"]`, command
-# `mkdir -p /tmp/wh && cp .whl/vllm026.tar.part-* /tmp/wh/`), one that carries .carry/peer
-# (`python -m bench.peer model_dir`) and .carry/tokenizer.model, then
-# `bash bench/gpu_check.sh vllm_install serving` with MODES="persistent host vllm".
+# The vLLM peer (issue 27), in one lease (the machine goes back 30 s after a call: each call
+# follows the last at once): eight calls that each carry one wheel part and copy it to /tmp/wh
+# (`carry: [".whl/vllm026.tar.part-NN", ".whl/SHA256SUMS"]`, command
+# `mkdir -p /tmp/wh && cp .whl/vllm026.tar.part-* /tmp/wh/`); the first also starts the build
+# in its own session (`setsid nohup bash bench/gpu_check.sh build &`), which outlives the call,
+# the last runs `bash bench/vllm_install.sh`. Then calls of `BUILD=0 bash bench/gpu_check.sh
+# serving` with SHAPES, MODES (vllm, persistent, host: one or two per call, within its 10
+# minutes; vLLM's start alone takes about 3), carrying .carry (`python -m bench.peer
+# model_dir` and the bundled tokenizer.model as .carry/tokenizer.model).
 declare -A RESULT CMD
 ORDER=()
 while IFS='|' read -r name result cmd; do

@@ -66,6 +66,8 @@ def define_flags() -> None:
   flags.DEFINE_list("frontend_cpus", [], "cores of the frontend (SmartNIC role); the "
                     "interference avoids them (empty: interference on all cores, unpinned)")
   flags.DEFINE_string("label", "default", "name of this configuration in results and plots")
+  flags.DEFINE_integer("server_pid", None, "the server's main process (serve.py, vLLM's API "
+                       "server): CPU seconds of it and its descendants per rate, by role")
   flags.DEFINE_string("server_info", None, "JSON file on the server (version, effective "
                       "settings: `python -m bench.peer server_info`), kept in the result")
   flags.DEFINE_string("out", None, "JSON result (default: bench/results/serving_<label>.json)")
@@ -256,7 +258,19 @@ def compute_metrics(records: list[Record], duration_s: float, slo_ttft_ms: float
   errors = sorted({r.error for r in records if r.error})
   if errors:
     m["errors"] = errors[:10]
-  return m
+  return {**m, **vllm_bench_fields(m)}
+
+
+def vllm_bench_fields(m: dict) -> dict:
+  """The same figures under `vllm bench serve`'s names (its --save-result JSON), so one
+  reader takes both tools' files."""
+  out = {"duration": m["duration_s"], "total_input_tokens": m["input_tokens"],
+         "total_output_tokens": m["output_tokens"]}
+  for ours, theirs in (("ttft", "ttft"), ("tpot", "tpot"), ("itl", "itl"), ("e2e", "e2el")):
+    for stat, name in (("mean", "mean"), ("p50", "median"), ("p99", "p99")):
+      if f"{ours}_ms_{stat}" in m:
+        out[f"{name}_{theirs}_ms"] = m[f"{ours}_ms_{stat}"]
+  return out
 
 
 # ---- energy ----------------------------------------------------------------------------------
@@ -329,6 +343,86 @@ class PowerSampler:
             "energy_note": f"NVML power of {len(self.handles)} GPU(s), "
                            f"{len(self.samples)} samples every {1e3 * self.interval_s:.0f} ms",
             "gpus": len(self.handles)}
+
+
+# ---- host CPU of the server ------------------------------------------------------------------
+
+# Which of a server's processes do what (docs/PERFORMANCE.md, "Serving"): blink-jax's frontend
+# workers and vLLM's API server are the HTTP side (tokenizing, streaming: a SmartNIC's job in
+# Blink); serve.py and vLLM's EngineCore drive the GPU. First match wins; a process matching
+# none inherits its parent's role (a worker's parser pool is frontend), the root is "engine".
+CPU_ROLES = (("engine", ("EngineCore",)), ("frontend", ("nic_frontend", "vllm.entrypoints")))
+
+
+def _proc_stat(pid: int) -> tuple[int, float] | None:
+  """(parent pid, CPU seconds in user + system mode) of a live process, from /proc."""
+  try:
+    text = pathlib.Path(f"/proc/{pid}/stat").read_text()
+  except OSError:
+    return None
+  fields = text[text.rindex(")") + 2:].split()  # the name in parentheses may hold spaces
+  return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cmdline(pid: int) -> str:
+  try:
+    return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+        errors="replace")
+  except OSError:
+    return ""
+
+
+def process_tree(root: int) -> dict[int, tuple[str, float]]:
+  """{pid: (role, CPU seconds so far)} of `root` and every descendant alive now."""
+  stats = {}
+  for d in pathlib.Path("/proc").iterdir():
+    if d.name.isdigit() and (st := _proc_stat(int(d.name))) is not None:
+      stats[int(d.name)] = st
+  if root not in stats:
+    return {}
+  children: dict[int, list[int]] = {}
+  for pid, (ppid, _) in stats.items():
+    children.setdefault(ppid, []).append(pid)
+  out, todo = {}, [(root, "engine")]
+  while todo:
+    pid, inherited = todo.pop()
+    cmd = _cmdline(pid)
+    role = next((r for r, pats in CPU_ROLES if any(p in cmd for p in pats)), inherited)
+    out[pid] = (role, stats[pid][1])
+    todo += [(c, role) for c in children.get(pid, [])]
+  return out
+
+
+class ServerCPU:
+  """CPU seconds the server's process tree spends over a `with` block, by role. A process born
+  inside the block counts from zero; one that ends inside it loses its last reading's share
+  (the server's processes live for the whole run)."""
+
+  def __init__(self, root_pid: int | None):
+    self.root = root_pid
+    self.before: dict[int, tuple[str, float]] = {}
+    self.after: dict[int, tuple[str, float]] = {}
+
+  def __enter__(self):
+    self.before = process_tree(self.root) if self.root else {}
+    return self
+
+  def __exit__(self, *exc):
+    self.after = process_tree(self.root) if self.root else {}
+
+  def result(self, output_tokens: int) -> dict:
+    if not self.root:
+      return {}
+    if not self.after:
+      return {"host_cpu_note": f"server process {self.root} not found"}
+    by_role: dict[str, float] = {}
+    for pid, (role, cpu) in self.after.items():
+      by_role[role] = by_role.get(role, 0.0) + cpu - self.before.get(pid, (role, 0.0))[1]
+    total = sum(by_role.values())
+    per_1k = (lambda s: 1e3 * s / output_tokens if output_tokens else None)  # noqa: E731
+    return {"host_cpu_s": total, "host_cpu_s_per_1k_tokens": per_1k(total),
+            "engine_cpu_s_per_1k_tokens": per_1k(by_role.get("engine", 0.0)),
+            "host_cpu_s_by_role": by_role, "server_processes": len(self.after)}
 
 
 # ---- client ----------------------------------------------------------------------------------
@@ -562,6 +656,7 @@ def main(argv):
   if frontend_cpus:  # the load generator stands for the network side: it runs with the frontend
     os.sched_setaffinity(0, set(frontend_cpus))
   sampler = PowerSampler(FLAGS.power_interval_ms / 1e3)
+  cpu = ServerCPU(FLAGS.server_pid)
   procs = C.start_interference(FLAGS.interference, set(interference_cpus), 24 * 3600) \
       if FLAGS.interference else []
   rows, per_request = [], {}
@@ -569,12 +664,13 @@ def main(argv):
     if procs:
       time.sleep(1.0)  # let the thrashers fill their buffers
     for k, rate in enumerate(rates):
-      with sampler:
+      with sampler, cpu:
         recs, duration = asyncio.run(run_rate(
             FLAGS.base_url, headers, model, reqs, rate, FLAGS.seed + 1000 * (k + 1),
             FLAGS.max_concurrency, FLAGS.request_timeout_s))
       m = compute_metrics(recs, duration, FLAGS.slo_ttft_ms, FLAGS.slo_tpot_ms)
       m.update(sampler.result(m["output_tokens"]))
+      m.update(cpu.result(m["output_tokens"]))
       rows.append({"label": FLAGS.label, "rate": "inf" if math.isinf(rate) else rate,
                    "max_concurrency": FLAGS.max_concurrency, **m})
       per_request[str(rows[-1]["rate"])] = [

@@ -2,12 +2,16 @@
 # The serving benchmark matrix on one GPU machine: for each model shape and server mode,
 # start scripts/serve.py (random weights), run bench/serving.py over a sweep of
 # request rates, quiet and under 2 x nproc thrashing processes with the frontend pinned to its
-# own cores (SmartNIC role), plus one unpinned run; then plot everything together.
+# own cores (SmartNIC role), plus one unpinned run (plots and tables: bench/serving_report.py).
 # Usage: TOKENIZER=path/tokenizer.model [SHAPES=...] [MODES="persistent host vllm"] [RATES=2,4,8,inf]
 #        [NUM_PROMPTS=48] [UNPINNED=gemma3-1b:persistent] [SLO_TTFT_MS=1000] [SLO_TPOT_MS=10]
 #        [SERVE_ARGS="--gemv none ..." (more serve.py flags, e.g. KernelOptions')]
 #        [PEER_DIR=.carry/peer VLLM_SITE=/tmp/site VLLM_ARGS="..."]
+#        [CROSSCHECK="vllm persistent" CROSSCHECK_RATE=16] [SINGLE=1] [INTERFERENCE=1]
 #        OUT=dir bash bench/serving_suite.sh
+# Per server also: CROSSCHECK (modes): `vllm bench serve` beside bench.serving at one rate
+# (bench/crosscheck.py, needs the vLLM install); SINGLE=1: single-stream decode, one request
+# at a time (1,024-token prompts, 256 tokens out); INTERFERENCE=0 skips the thrasher runs.
 # Mode vllm: the peer, vLLM 0.26 with random weights in the same shape (`--load-format dummy`)
 # on the engine's cores, over the same prompts, seeds and rates: its model folders come from
 # `python -m bench.peer model_dir` (PEER_DIR), its wheels from bench/vllm_install.sh (VLLM_SITE).
@@ -33,16 +37,27 @@ ENGINE_CPUS=2-$((NCPU - 1))     # the engine shares these with the interference
 INT=$((2 * NCPU))
 PEER_DIR=${PEER_DIR:-.carry/peer}
 VLLM_SITE=${VLLM_SITE:-/tmp/site}
-SERVER_INFO=""
-bench() {  # label, port, interference, frontend cpus (empty: unpinned)
+VLLM_PATH=$VLLM_SITE:$VLLM_SITE/nvidia_cutlass_dsl/dsl_packages  # cutlass-dsl's .pth entry
+CROSSCHECK=${CROSSCHECK:-vllm persistent}
+SERVER_INFO="" SRV=""
+pack() {  # one archive (the device returns a limited number of files), refreshed after each run
+  tar czf "$OUT/serving_results.tgz" bench/results/serving_h200_* bench/results/crosscheck_h200_* \
+    2>/dev/null
+}
+bench() {  # label, port, interference, frontend cpus (empty: unpinned), [more bench.serving flags]
   python3 -m bench.serving --base_url "http://127.0.0.1:$2/v1" --num_prompts "$N" \
-    ${SERVER_INFO:+--server_info "$SERVER_INFO"} \
+    ${SERVER_INFO:+--server_info "$SERVER_INFO"} --server_pid "$SRV" \
     --rates "$RATES" --max_context 2048 --max_input_len 1024 --interference "$3" \
     --slo_ttft_ms "$SLO_TTFT_MS" --slo_tpot_ms "$SLO_TPOT_MS" \
-    --frontend_cpus "$4" --label "$1" --out "bench/results/serving_h200_$1.json" 2>&1 \
+    --frontend_cpus "$4" --label "$1" --out "bench/results/serving_h200_$1.json" --noplot "${@:5}" 2>&1 \
     | grep -v "^[IW]1" | tail -6
-  # One archive (the device returns a limited number of files), refreshed after every run.
-  tar czf "$OUT/serving_results.tgz" bench/results/serving_h200_* 2>/dev/null
+  pack
+}
+gpu_free() {  # until the last server's GPU memory is back (vLLM's EngineCore exits after it)
+  for _ in $(seq 60); do
+    [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && return
+    sleep 0.5
+  done
 }
 for shape in $SHAPES; do
   for mode in $MODES; do
@@ -51,7 +66,7 @@ for shape in $SHAPES; do
     echo "== $(date -u +%T) serve $shape $mode on :$port"
     if [ "$mode" = vllm ]; then
       # vLLM's defaults otherwise (chunked prefill, its attention backend, CUDA graphs).
-      PYTHONPATH="$VLLM_SITE:$VLLM_SITE/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH" \
+      PYTHONPATH="$VLLM_PATH:$PYTHONPATH" \
         HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 taskset -c "$ENGINE_CPUS" \
         python3 -m vllm.entrypoints.openai.api_server --model "$PEER_DIR/$shape" \
         --tokenizer "$PEER_DIR/tokenizer" --served-model-name "random:$shape" \
@@ -64,27 +79,37 @@ for shape in $SHAPES; do
         --max_context 2048 --num_slots 128 ${SERVE_ARGS:-} >"$log" 2>&1 &
       kind=blink
     fi
-    srv=$!
+    srv=$! SRV=$!
+    t0=$SECONDS
     for _ in $(seq 420); do  # vLLM: about 3 min (torch.compile, CUDA graph capture)
       curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
       kill -0 $srv 2>/dev/null || break
       sleep 1
     done
+    echo "== $(date -u +%T) $shape $mode healthy after $((SECONDS - t0)) s"
     grep -E "serving loop on the device|op by op|engine up|API server version" "$log" | tail -2
     SERVER_INFO="$OUT/server_${shape}_${mode}.json"
     python3 -m bench.peer server_info --kind "$kind" --log "$log" --out "$SERVER_INFO"
     for p in $(pgrep -f "nic_frontend.worker.*--port $port"); do taskset -pc $FRONT "$p" >/dev/null; done
     bench "${shape}_${mode}_quiet" "$port" 0 "$FRONT"
-    bench "${shape}_${mode}_int${INT}" "$port" "$INT" "$FRONT"
+    [ "${INTERFERENCE:-1}" = 0 ] || bench "${shape}_${mode}_int${INT}" "$port" "$INT" "$FRONT"
+    if [ "${SINGLE:-0}" = 1 ]; then
+      RATES=inf bench "${shape}_${mode}_single" "$port" 0 "$FRONT" --num_prompts 10 \
+        --max_concurrency 1 --input_len 1024 --output_len 256
+    fi
+    if [[ " $CROSSCHECK " == *" $mode "* && -d $VLLM_SITE/vllm ]]; then
+      taskset -c "$FRONT" python3 -m bench.crosscheck --base_url "http://127.0.0.1:$port/v1" \
+        --tokenizer "$PEER_DIR/tokenizer" --vllm_path "$VLLM_PATH" \
+        --rate "${CROSSCHECK_RATE:-16}" --num_prompts "$N" --label "${shape}_${mode}" \
+        --out "bench/results/crosscheck_h200_${shape}_${mode}.json" 2>&1 | grep -v "^[IW]1" | tail -22
+      pack
+    fi
     if [[ " $UNPINNED " == *" $shape:$mode "* ]]; then
       for p in $(pgrep -f "nic_frontend.worker.*--port $port"); do taskset -pc 0-$((NCPU - 1)) "$p" >/dev/null; done
       RATES=inf bench "${shape}_${mode}_int${INT}_unpinned" "$port" "$INT" ""
     fi
     kill -TERM $srv; wait $srv
+    gpu_free
   done
 done
-for shape in $SHAPES; do  # one plot per shape, P99 only (legible with five configurations)
-  python3 -m bench.serving --compare "$(ls bench/results/serving_h200_${shape}_*.json | paste -sd,)" \
-    --plot_percentiles p99 --plot_out "bench/results/serving_h200_${shape#gemma3-}_p99.png" 2>&1 | tail -1
-done
-tar czf "$OUT/serving_results.tgz" bench/results/serving_h200_* 2>/dev/null
+pack

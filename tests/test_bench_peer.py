@@ -42,3 +42,21 @@ INFO 12-02 10:01:00 [kv_cache_utils.py:5] GPU KV cache size: 1,234,567 tokens
   assert len(info["settings"]) == 4 and not any("unrelated" in s for s in info["settings"])
   assert server_info("blink", "x blink.serve: engine up in 3.0s\n")["settings"] == [
       "x blink.serve: engine up in 3.0s"]
+
+
+def test_crosscheck_runs_vllm_bench_serve_on_the_same_workload():
+  from bench import crosscheck as CC
+  cmd = CC.vllm_command("http://127.0.0.1:8123/v1", "random:gemma3-1b", "/tok", 200, 16.0,
+                        512, 256, 7, "/tmp/r")
+  args = dict(zip(cmd[5::1], cmd[6::1]))
+  assert cmd[2:5] == ["vllm.entrypoints.cli.main", "bench", "serve"]
+  # The server's root (vLLM appends the endpoint), fixed lengths, the same rate and seed.
+  assert args["--base-url"] == "http://127.0.0.1:8123" and args["--endpoint"] == "/v1/completions"
+  assert (args["--random-input-len"], args["--random-output-len"], args["--random-range-ratio"],
+          args["--num-prompts"], args["--request-rate"], args["--seed"]) == (
+              "512", "256", "0", "200", "16.0", "7")
+  assert "--ignore-eos" in cmd and args["--temperature"] == "0"
+  cmp = CC.compare({"output_throughput": 1000.0, "p99_ttft_ms": 40.0, "completed": 200},
+                   {"output_throughput": 950.0, "p99_ttft_ms": 44.0, "completed": 200})
+  assert cmp["output_throughput"]["ratio"] == 0.95 and cmp["p99_ttft_ms"]["ratio"] == 1.1
+  assert cmp["completed"]["ratio"] == 1.0 and cmp["mean_tpot_ms"]["ratio"] is None

@@ -109,6 +109,53 @@ def test_metrics_on_hand_made_timelines():
   m = BS.compute_metrics(_records(), 2.0, slo_tpot_ms=300)
   assert m["good_requests"] == 2
   assert BS.compute_metrics(_records(), 2.0)["goodput"] is None
+  # The same figures under vllm bench serve's names.
+  assert (m["median_ttft_ms"], m["p99_ttft_ms"], m["mean_e2el_ms"]) == (
+      m["ttft_ms_p50"], m["ttft_ms_p99"], m["e2e_ms_mean"])
+  assert (m["duration"], m["total_input_tokens"], m["total_output_tokens"]) == (2.0, 30, 6)
+
+
+def test_server_cpu_counts_a_process_tree_by_role(tmp_path):
+  """A parent ("engine") that spins 0.4 s, a child whose command line names nic_frontend that
+  spins 0.3 s, and a grandchild of it (inherits frontend) that spins 0.6 s: each role's CPU
+  seconds over the block, and per 1k tokens."""
+  def script(name, seconds, child=None):
+    launch = (f"import subprocess, sys\nkid = subprocess.Popen([sys.executable, "
+              f"{str(tmp_path / child)!r}, 'nic_frontend'])\n" if child else "")
+    (tmp_path / name).write_text(
+        launch + "import time\ntime.sleep(0.5)\nt = time.process_time()\n"
+        f"while time.process_time() - t < {seconds}: pass\n"
+        + ("kid.wait()\n" if child else "time.sleep(30)\n"))
+  script("grandchild.py", 0.6)
+  script("child.py", 0.3, "grandchild.py")
+  script("parent.py", 0.4, "child.py")
+  proc = subprocess.Popen([sys.executable, str(tmp_path / "parent.py")])
+  try:
+    deadline = time.time() + 20
+    while len(BS.process_tree(proc.pid)) < 3 and time.time() < deadline:
+      time.sleep(0.02)
+    with BS.ServerCPU(proc.pid) as cpu:
+      while time.time() < deadline:  # until every spinner is done (then each one sleeps)
+        if sum(c for _, c in BS.process_tree(proc.pid).values()) > 1.25:
+          break
+        time.sleep(0.1)
+      time.sleep(0.2)
+    r = cpu.result(output_tokens=2000)
+  finally:
+    for pid in BS.process_tree(proc.pid):
+      os.kill(pid, signal.SIGKILL)
+    proc.wait()
+  roles = r["host_cpu_s_by_role"]
+  assert r["server_processes"] == 3 and set(roles) == {"engine", "frontend"}, r
+  assert roles["engine"] == pytest.approx(0.4, abs=0.2), r
+  assert roles["frontend"] == pytest.approx(0.9, abs=0.3), r
+  assert r["host_cpu_s_per_1k_tokens"] == pytest.approx(r["host_cpu_s"] / 2)
+  assert r["engine_cpu_s_per_1k_tokens"] == pytest.approx(roles["engine"] / 2)
+  assert BS.ServerCPU(None).result(10) == {}
+  gone = BS.ServerCPU(proc.pid)
+  with gone:
+    pass
+  assert "not found" in gone.result(10)["host_cpu_note"]
 
 
 def test_power_sampler_reports_a_reason_without_nvml():
