@@ -70,14 +70,17 @@ def write_model_dirs(config_names, out: pathlib.Path, gguf: pathlib.Path | None 
 
 # Startup-log lines that state a server's version and the settings it runs with.
 _INFO_LINES = {
-    "vllm": [r"vLLM API server version", r"non-default args", r"Resolved architecture",
-             r"KV cache size", r"Maximum concurrency", r"max_num_batched_tokens",
-             r"chunked prefill", r"attention backend", r"CUDA graph", r"torch.compile"],
+    "vllm": [r"API server version", r"non-default args", r"Initializing a V1 LLM engine",
+             r"Resolved architecture", r"KV cache size", r"KV cache memory",
+             r"Maximum concurrency", r"max_num_batched_tokens", r"chunked prefill",
+             r"attention backend", r"Graph capturing finished", r"torch.compile took",
+             r"init engine"],
     "blink": [r"blink\.serve", r"engine config", r"kernels", r"serving loop", r"capacity",
               r"owns slots"],
 }
 # blink-jax's version is the git revision every result file records.
-_VERSION = {"vllm": r"vLLM API server version ([0-9][^\s,]*)"}
+# Its startup banner ("... version 0.26.0") or its engine's config line ("(v0.26.0)").
+_VERSION = {"vllm": r"(?:API server version |\bversion |V1 LLM engine \(v)([0-9][0-9a-z.+]*)"}
 
 
 def server_info(kind: str, log_text: str, most_lines: int = 40) -> dict:

@@ -537,7 +537,8 @@ def _prompts(v: Any, limits: Limits, tokenizer) -> list[list[int]]:
     least = _min_tokens(tokenizer, text) + 1  # + <bos>
     if least > cap:
       raise _too_long("prompt", limits, least, at_least=True)
-    return tokenizer.encode(text, add_bos=True)
+    # A raw prompt's "<start_of_turn>" is that token, as vLLM reads it (Tokenizer's docstring).
+    return tokenizer.encode(text, add_bos=True, parse_special=True)
 
   def ids(x: list) -> list[int]:
     if len(x) > cap:

@@ -40,6 +40,10 @@ INFO 12-02 10:01:00 [kv_cache_utils.py:5] GPU KV cache size: 1,234,567 tokens
   info = server_info("vllm", log)
   assert info["server"] == "vllm" and info["version"] == "0.26.0"
   assert len(info["settings"]) == 4 and not any("unrelated" in s for s in info["settings"])
+  # vLLM 0.26's banner puts the version after ASCII art; its engine's config line has it too.
+  engine = "(EngineCore pid=9) INFO [core.py:116] Initializing a V1 LLM engine (v0.26.0) with config: x"
+  assert server_info("vllm", engine)["version"] == "0.26.0"
+  assert server_info("vllm", "Capturing CUDA graphs (PIECEWISE):  4%|")["settings"] == []
   assert server_info("blink", "x blink.serve: engine up in 3.0s\n")["settings"] == [
       "x blink.serve: engine up in 3.0s"]
 

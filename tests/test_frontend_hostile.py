@@ -658,7 +658,8 @@ def test_size_precheck_rejects_before_tokenizing(tok):
 
 TEXT = st.one_of(
     st.text(max_size=400),
-    st.lists(st.sampled_from(list(" \t\n\r\x00▁ab.,é日本🎉🙂") + [" " * 8, "▁" * 5]),
+    st.lists(st.sampled_from(list(" \t\n\r\x00▁ab.,é日本🎉🙂<>") + [" " * 8, "▁" * 5]
+                             + ["<bos>", "<eos>", "<pad>", "<b>"]),  # control pieces' text
              max_size=200).map("".join),
     st.lists(st.sampled_from(FD.CORPUS.split(" ") + [" ", "  ", "\n"]), max_size=120).map(
         " ".join),
@@ -670,7 +671,7 @@ TEXT = st.one_of(
 def test_size_precheck_never_rejects_a_fitting_prompt(tok, text):
   """The bound is a true lower bound of the real token count, and a prompt that fits exactly
   (cap = its tokens) is accepted as text, in chat, and tokenized as before."""
-  ids = tok.encode(text, add_bos=True)
+  ids = tok.encode(text, add_bos=True, parse_special=True)  # as the completions API reads it
   assert tok.min_tokens(text) <= len(ids) - 1
   g = api.parse_completion({"prompt": text, "max_tokens": 1}, _limits(tok, len(ids)), tok)
   assert g.prompts == [ids]

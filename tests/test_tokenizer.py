@@ -74,6 +74,26 @@ def test_ids_match_transformers(tokenizer, hf_tokenizer):
   assert not mismatches, mismatches
 
 
+# Control pieces' text in a raw prompt: transformers' tokenizer (so vLLM) reads each as the
+# piece and encodes the text between alone.
+SPECIAL_TEXTS = [
+    "<start_of_turn>user\nWhy is the sky blue?<end_of_turn>\n<start_of_turn>model\n",
+    "x <eos> y", "<bos><bos>a", "a<unused5>b<unused6241>c", "<b>bold</b> <0x41> <mask> < eos>",
+    "".join(f"<unused{i}>" for i in range(5568, 5600)),  # vllm bench serve's random prompts
+    "<start_of_turn", "<<eos>>", "<eos",
+]
+
+
+@pytest.mark.slow
+def test_parse_special_matches_transformers(tokenizer, hf_tokenizer):
+  for text in SPECIAL_TEXTS + TEXTS:
+    assert tokenizer.encode(text, parse_special=True) == hf_tokenizer.encode(
+        text, add_special_tokens=False), text
+  assert tokenizer.encode("<eos>", parse_special=True) == [1]
+  assert 1 not in tokenizer.encode("<eos>")  # chat text: never a control piece
+  assert tokenizer.min_tokens(SPECIAL_TEXTS[5]) <= 32
+
+
 def lossless(text: str) -> str:
   """What decoding gives back: SentencePiece writes spaces as U+2581, so a U+2581 in the
   input comes back as a space (Gemma's own tokenizer does the same)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -20,11 +21,20 @@ START_OF_TURN, END_OF_TURN = "<start_of_turn>", "<end_of_turn>"
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 
+# Where a control piece's text may start in a prompt: Gemma's are all "<name>" (at most 15
+# characters: "<start_of_turn>"); each match is looked up, so a plain "<b>" stays text.
+_CONTROL_TEXT = re.compile(r"<[^<>\s]{1,30}>")
+
+
 class Tokenizer:
   """A SentencePiece model plus Gemma's special tokens and chat format.
 
-  Special tokens are only ever produced by id: text is encoded with SentencePiece, which never
-  turns text into a control piece, so a user typing "<end_of_turn>" cannot end a turn.
+  In chat, special tokens are only ever produced by id: message text is encoded with
+  SentencePiece, which never turns text into a control piece, so a user typing "<end_of_turn>"
+  cannot end a turn. A raw prompt (`encode(..., parse_special=True)`, the completions API) is
+  all the client's, with no turn to protect: there the text of a control piece is that piece,
+  as Hugging Face's tokenizer (and so vLLM) reads it, so a hand-formatted Gemma prompt means
+  what it says.
   """
 
   def __init__(self, model: bytes | str | os.PathLike):
@@ -63,17 +73,17 @@ class Tokenizer:
     removal (text never shrinks before segmentation) and unknown characters fall back to bytes
     (SentencePiece merges a run of unknown characters into one <unk>, of any length).
 
-    Computed once from the vocabulary (the longest normal or user-defined piece; a byte piece
-    stands for one byte, control and unused pieces never come from text); with it,
-    `min_tokens` is a lower bound on `len(encode(text))` from the text's length alone."""
+    Computed once from the vocabulary (the longest normal, user-defined or control piece: a
+    control piece comes from its own text with parse_special; a byte piece stands for one
+    byte, unused pieces never come from text); with it, `min_tokens` is a lower bound on
+    `len(encode(text))` from the text's length alone."""
     spec = _model_spec(self.sp.serialized_model_proto())
     if spec["charsmap"] or spec["remove_extra_whitespaces"] or not spec["byte_fallback"]:
       return None
     pieces = self.sp.id_to_piece(list(range(self.vocab_size)))
     sizes = [len(p.encode("utf-8", "surrogatepass")) for p in pieces]
     for i in sorted(range(self.vocab_size), key=sizes.__getitem__, reverse=True):
-      if not (self.sp.is_control(i) or self.sp.is_unused(i) or self.sp.is_byte(i)
-              or self.sp.is_unknown(i)):
+      if not (self.sp.is_unused(i) or self.sp.is_byte(i) or self.sp.is_unknown(i)):
         return max(sizes[i], 1)
     return 1  # only byte pieces: one token per byte
 
@@ -94,9 +104,37 @@ class Tokenizer:
                for seg in self.chat_segments(messages,
                                              add_generation_prompt=add_generation_prompt))
 
-  def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
-    ids = self.sp.encode(text, out_type=int)
+  def encode(self, text: str, *, add_bos: bool = False, parse_special: bool = False
+             ) -> list[int]:
+    """Token ids of `text`; with parse_special the text of each control piece ("<bos>",
+    "<start_of_turn>", "<unused12>") becomes that piece and the text between is encoded
+    alone, as `transformers`' tokenizer splits on its special tokens."""
+    if not parse_special or "<" not in text:
+      ids = self.sp.encode(text, out_type=int)
+    else:
+      ids, at = [], 0
+      for m in _CONTROL_TEXT.finditer(text):
+        piece = self._control_ids.get(m.group())
+        if piece is not None:
+          if m.start() > at:
+            ids += self.sp.encode(text[at:m.start()], out_type=int)
+          ids.append(piece)
+          at = m.end()
+      if at < len(text):
+        ids += self.sp.encode(text[at:], out_type=int)
     return [self.bos_id, *ids] if add_bos else ids
+
+  @functools.cached_property
+  def _control_ids(self) -> dict[str, int]:
+    """{text: id} of the control pieces, each of which `_CONTROL_TEXT` matches."""
+    out = {}
+    for i in range(self.vocab_size):
+      if self.sp.is_control(i) and (piece := self.sp.id_to_piece(i)):
+        if not _CONTROL_TEXT.fullmatch(piece):
+          raise ValueError(f"control piece {piece!r} is not of the form <name>: "
+                           f"parse_special cannot find it in text")
+        out[piece] = i
+    return out
 
   def decode(self, ids: Iterable[int]) -> str:
     """Text of `ids`; control tokens (<bos>, <eos>, turn markers) decode to nothing."""

@@ -416,7 +416,8 @@ class Engine:
     if isinstance(prompt, str):
       if self.tokenizer is None:
         raise ValueError("this engine has no tokenizer: pass prompt_token_ids")
-      return self.tokenizer.encode(prompt, add_bos=True)
+      # A raw prompt, as the completions API reads it (Tokenizer's docstring).
+      return self.tokenizer.encode(prompt, add_bos=True, parse_special=True)
     ids = [int(t) for t in prompt]
     bad = [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]
     if bad:
