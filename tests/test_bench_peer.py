@@ -64,3 +64,33 @@ def test_crosscheck_runs_vllm_bench_serve_on_the_same_workload():
                    {"output_throughput": 950.0, "p99_ttft_ms": 44.0, "completed": 200})
   assert cmp["output_throughput"]["ratio"] == 0.95 and cmp["p99_ttft_ms"]["ratio"] == 1.1
   assert cmp["completed"]["ratio"] == 1.0 and cmp["mean_tpot_ms"]["ratio"] is None
+
+
+def test_serving_report_puts_the_servers_side_by_side(tmp_path):
+  import json
+  from bench import serving_report as SR
+
+  def doc(tput, ttft99, tpot99, joules):
+    row = {"rate": 8.0, "output_throughput": tput, "ttft_ms_p50": ttft99 / 2,
+           "ttft_ms_p99": ttft99, "tpot_ms_p50": tpot99 / 2, "tpot_ms_p99": tpot99,
+           "energy_per_token_j": joules, "host_cpu_s_per_1k_tokens": 0.5,
+           "engine_cpu_s_per_1k_tokens": 0.25}
+    return {"results": [row]}
+  files = {"persistent_quiet": doc(3000, 100, 2.0, 0.05), "vllm_quiet": doc(2000, 50, 4.0, 0.1),
+           "persistent_int32": doc(3000, 110, 2.2, 0.05), "vllm_int32": doc(1000, 200, 20.0, 0.1),
+           "host_single": {"results": [{"rate": "inf", "tpot_ms_p50": 3.0, "tpot_ms_p99": 3.5,
+                                        "ttft_ms_p50": 20.0}]}}
+  for name, d in files.items():
+    (tmp_path / f"serving_h200_gemma3-1b_{name}.json").write_text(json.dumps(d))
+  docs = SR.load(tmp_path, "serving_h200_")
+  assert set(docs) == {("gemma3-1b", s, r) for s, r in (
+      ("persistent", "quiet"), ("vllm", "quiet"), ("persistent", "int32"), ("vllm", "int32"),
+      ("host", "single"))}
+  table = SR.serving_table(docs, "gemma3-1b")
+  assert len(table) == 2 + 4 and "| 8 | int32 | blink persistent | 3,000 |" in table[4]
+  assert table[4].endswith("| 1.10, 1.10 |")  # interference over quiet, P99 TTFT and TPOT
+  ratios = SR.vs_vllm(docs, "gemma3-1b")
+  # vLLM's P99 over ours (>1: ours lower), our tokens/s over vLLM's, energy saved.
+  assert "| 8 | quiet | 0.50x | 2.00x | 1.50x | +50 % |" in ratios
+  assert "| 8 | int32 | 1.82x | 9.09x | 3.00x | +50 % |" in ratios
+  assert "| gemma3-1b | blink host mode | 3.00 / 3.50 | 20.0 | - | - |" in SR.single_table(docs)
