@@ -4,7 +4,9 @@ Both the Python API (`Engine(model, tokenizer, config)`, `Engine.from_checkpoint
 **overrides)`) and `scripts/serve.py`'s flags come from these dataclasses: every field is one
 flag of the same name (`define_flags`, `from_flags`), with the help text kept next to the
 field. A config is validated once, when it is made (`__post_init__`), and `resolved` fills in
-the sizes that depend on the model and the device; the engine prints the result at startup.
+the sizes that depend on the model and the device; on a GPU the engine then sizes the KV cache
+from the figures it reads off the device (`kv_pages_for_memory`, the arithmetic alone) and
+prints the result at startup.
 The lowest layer of the package: JAX-free and importing nothing of blink_jax, so the kernel
 selection, the executor and the engine all read it, and flags exist before JAX starts.
 """
@@ -22,6 +24,13 @@ GEMV_PROJECTIONS = ("qkv", "out", "down", "gate_up")
 # GEMV was no faster: docs/PERFORMANCE.md).
 GEMV_AUTO = ("qkv", "out", "down")
 MODES = ("persistent", "host")
+# Sequences decoded together when max_seqs is not given: on a GPU vLLM's --max-num-seqs
+# default (a decode step reads the weights once for all its rows, so lanes are cheap there);
+# on a CPU every row costs its arithmetic, and 8 is what the CPU tests and figures use.
+GPU_MAX_SEQS, CPU_MAX_SEQS = 256, 8
+# The share of a GPU's memory the weights, the step and the KV cache may take when
+# kv_cache_memory_fraction is not given: vLLM's --gpu-memory-utilization default.
+GPU_MEMORY_FRACTION = 0.9
 
 
 def _field(default: Any, help: str, **kw) -> Any:  # noqa: A002 - the flag's help
@@ -91,9 +100,18 @@ class KernelOptions:
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   """Sizes, the loop's form and the kernels of one engine (docs/ARCHITECTURE.md)."""
-  max_seqs: int = _field(8, "Sequences decoded together (lanes of the device scheduler).")
-  kv_pages: int | None = _field(None, "KV cache pages (default: max_context worth for every "
+  max_seqs: int | None = _field(None, "Sequences decoded together (lanes of the device "
+                                "scheduler; default: 256 on a GPU, like vLLM's "
+                                "--max-num-seqs; 8 on a CPU).")
+  kv_pages: int | None = _field(None, "KV cache pages (default: on a GPU as many as "
+                                "kv_cache_memory_fraction of its memory holds after the "
+                                "weights and the step's workspace, at most max_context worth "
+                                "for every sequence; on a CPU max_context worth for every "
                                 "sequence).")
+  kv_cache_memory_fraction: float | None = _field(
+      None, "Share of the GPU memory XLA may use (memory_stats' bytes_limit) that the "
+      "weights, the step's workspace and the KV cache may take when kv_pages is not given, "
+      "like vLLM's --gpu-memory-utilization (default: 0.9 on a GPU; unused on a CPU).")
   page_size: int = _field(16, "Tokens per KV page.")
   max_context: int | None = _field(None, "Context length served (default: the model's, at "
                                    "most 4096).")
@@ -122,10 +140,14 @@ class EngineConfig:
         return
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    for name in ("max_seqs", "page_size", "num_slots", "ring_capacity"):
+    for name in ("page_size", "num_slots", "ring_capacity"):
       positive(name)
-    for name in ("kv_pages", "max_context"):
+    for name in ("max_seqs", "kv_pages", "max_context"):
       positive(name, allow_none=True)
+    f = self.kv_cache_memory_fraction
+    if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float))
+                          or not 0 < f <= 1):  # NaN fails 0 < f too
+      raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {f!r}")
     if not isinstance(self.max_top_logprobs, int) or self.max_top_logprobs < 0:
       raise ValueError(f"max_top_logprobs must be an integer >= 0, got "
                        f"{self.max_top_logprobs!r}")
@@ -160,16 +182,28 @@ class EngineConfig:
       kw["kernels"] = dataclasses.replace(kw.get("kernels", base.kernels), **kernels)
     return dataclasses.replace(base, **kw)
 
+  def max_seqs_on(self, platform: str) -> int:
+    """max_seqs, or its default on a device of `platform` ("gpu", "cpu", ...)."""
+    return self.max_seqs or (GPU_MAX_SEQS if platform == "gpu" else CPU_MAX_SEQS)
+
   def resolved(self, model_max_context: int, platform: str) -> "EngineConfig":
-    """The config with the model- and device-dependent defaults filled in: max_context,
-    kv_pages, buckets, idle_poll_us, warm_up and the kernels' "auto"."""
+    """The config with the model- and device-dependent defaults filled in: max_seqs,
+    max_context, kv_pages, kv_cache_memory_fraction, buckets, idle_poll_us, warm_up and the
+    kernels' "auto". On a GPU without kv_pages, kv_pages stays None here: it depends on
+    the memory left once the weights are loaded, so the engine fills it in then
+    (`kv_pages_for_memory`)."""
+    max_seqs = self.max_seqs_on(platform)
     max_context = self.max_context or min(model_max_context, 4096)
     if max_context > model_max_context:
       raise ValueError(f"max_context {max_context} exceeds the model's {model_max_context}")
-    kv_pages = self.kv_pages or -(-max_context // self.page_size) * self.max_seqs
+    kv_pages, fraction = self.kv_pages, self.kv_cache_memory_fraction
+    if kv_pages is None and platform == "gpu":
+      fraction = GPU_MEMORY_FRACTION if fraction is None else fraction
+    elif kv_pages is None:
+      kv_pages = -(-max_context // self.page_size) * max_seqs
     buckets = self.buckets
     if buckets is None:
-      budget = max(256, self.max_seqs)
+      budget = max(256, max_seqs)
       # A CPU pays for every padded row (a GPU's small steps cost their weights' reading):
       # 16 and 32 there too, so a short prompt is not padded to 64 rows.
       sizes = (1, 8, 64) if platform == "gpu" else (1, 8, 16, 32, 64)
@@ -178,18 +212,76 @@ class EngineConfig:
     if idle_poll_us is None:
       idle_poll_us = 200 if platform == "gpu" else 50_000
     return dataclasses.replace(
-        self, max_context=max_context, kv_pages=kv_pages, buckets=buckets,
-        idle_poll_us=idle_poll_us,
+        self, max_seqs=max_seqs, max_context=max_context, kv_pages=kv_pages,
+        kv_cache_memory_fraction=fraction, buckets=buckets, idle_poll_us=idle_poll_us,
         warm_up=(platform == "gpu") if self.warm_up is None else self.warm_up,
         kernels=self.kernels.resolved(platform))
 
-  def describe(self) -> str:
-    """One line for the startup log."""
+  def describe(self, memory: "DeviceMemory | None" = None) -> str:
+    """One line for the startup log: the capacity chosen and why (a resolved config; with
+    `memory`, the GPU figures kv_pages was computed from), then every field."""
     fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
     kernels = fields.pop("kernels")
     text = ", ".join(f"{k}={v}" for k, v in fields.items())
     ks = ", ".join(f"{f.name}={getattr(kernels, f.name)}" for f in dataclasses.fields(kernels))
-    return f"{text}; kernels: {ks}"
+    return f"{self._capacity(memory)}{text}; kernels: {ks}"
+
+  def _capacity(self, memory: "DeviceMemory | None") -> str:
+    if None in (self.max_seqs, self.kv_pages, self.max_context):
+      return ""  # not resolved: nothing chosen yet
+    worth = -(-self.max_context // self.page_size) * self.max_seqs
+    why = "max_context worth per sequence" if self.kv_pages == worth else "set by kv_pages"
+    if memory is not None:
+      f = self.kv_cache_memory_fraction
+      room = _room(memory, f) // memory.page_bytes
+      why = (f"{f} of {_gib(memory.bytes_limit)}: weights {_gib(memory.bytes_in_use)}, "
+             f"workspace {_gib(memory.workspace_bytes)}, "
+             f"{_gib(self.kv_pages * memory.page_bytes)} of KV")
+      if self.kv_pages < room:
+        why += f"; capped at max_context worth per sequence, room for {room}"
+    return f"capacity: {self.max_seqs} sequences, {self.kv_pages} KV pages ({why}); "
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+  """The GPU figures the engine sizes the KV cache from (`kv_pages_for_memory`), kept for
+  the startup log: what XLA's allocator may use (memory_stats' bytes_limit), what is in use
+  once the weights are loaded, the reserve for the step's temporaries, one page's bytes."""
+  bytes_limit: int
+  bytes_in_use: int
+  workspace_bytes: int
+  page_bytes: int
+
+
+def _gib(n: int) -> str:
+  return f"{n / 2**30:.1f} GiB"
+
+
+def _room(m: DeviceMemory, fraction: float) -> int:
+  """Bytes left for the KV cache (negative when the weights and workspace alone overflow)."""
+  return int(m.bytes_limit * fraction) - m.bytes_in_use - m.workspace_bytes
+
+
+def kv_pages_for_memory(*, bytes_limit: int, bytes_in_use: int, workspace_bytes: int,
+                        page_bytes: int, fraction: float, max_seqs: int, max_context: int,
+                        page_size: int) -> int:
+  """KV pages for a GPU, as vLLM sizes its cache: what fits in `fraction` of `bytes_limit`
+  beside the `bytes_in_use` (the weights) and the step's `workspace_bytes`, in whole pages of
+  `page_bytes`, but no more than max_seqs sequences of max_context tokens can hold (more would
+  never be used). Raises ValueError, with the figures, when not one max_context fits."""
+  m = DeviceMemory(bytes_limit, bytes_in_use, workspace_bytes, page_bytes)
+  room = _room(m, fraction)
+  per_seq = -(-max_context // page_size)
+  pages = max(room, 0) // page_bytes
+  if pages < per_seq:
+    raise ValueError(
+        f"the KV cache does not fit: kv_cache_memory_fraction {fraction} of "
+        f"{_gib(bytes_limit)} ({bytes_limit} bytes) less {_gib(bytes_in_use)} in use (the "
+        f"weights) and {_gib(workspace_bytes)} of step workspace leaves {pages} pages of "
+        f"{page_bytes} bytes; one sequence of max_context={max_context} needs {per_seq} "
+        f"({_gib(per_seq * page_bytes)}). Raise kv_cache_memory_fraction, lower max_context "
+        "or serve a smaller model or dtype")
+  return min(pages, per_seq * max_seqs)
 
 
 # ---- command-line flags (absl), one per field ----
@@ -217,6 +309,8 @@ def define_flags(flag_values=None) -> None:
       flags.DEFINE_bool(f.name, None, help_text, flag_values=fv)
     elif f.type in ("int", "int | None"):
       flags.DEFINE_integer(f.name, None, help_text, flag_values=fv)
+    elif f.type in ("float", "float | None"):
+      flags.DEFINE_float(f.name, None, help_text, flag_values=fv)
     else:
       flags.DEFINE_string(f.name, None, help_text, flag_values=fv)
 

@@ -436,7 +436,7 @@ def fake_serve(argv: list[str]) -> None:
 
   def make_engine(config):
     dc = DeviceConfig(num_slots=config.num_slots, num_workers=config.frontend_workers + 1,
-                      max_seqs=config.max_seqs)
+                      max_seqs=config.max_seqs_on("cpu"))  # a CPU stand-in
     engine = FakeEngine(pathlib.Path(fv.tokenizer), dc, model_name="tiny",
                         shm_name=fv.shm_name or None)
     engine.device.step_delay_s = fv.fake_step_delay_s

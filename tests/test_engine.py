@@ -199,6 +199,17 @@ def test_stats_after_work(engine):
   assert s["requests_finished"] == s["requests_admitted"]
 
 
+def test_cpu_capacity_is_max_context_worth_per_sequence(engine):
+  """The CPU rule, as the startup line reports it; the scheduler holds that many pages, and
+  `page_bytes` (what a GPU's cache is sized with) is what the carry's cache costs a page."""
+  from blink_jax.model.gemma import init_kv_cache
+  assert engine.config.describe().startswith(
+      "capacity: 4 sequences, 96 KV pages (max_context worth per sequence); ")
+  assert engine.stats()["pages_total"] == 96 == engine.sched.num_pages
+  cache = init_kv_cache(engine.model_cfg, 96, 4, engine.executor.kv_dtype)
+  assert sum(x.nbytes for x in cache) == 96 * engine.executor.page_bytes
+
+
 def test_warm_up_run_leaves_the_loop_serving(engine):
   """The persistent loop ran once with the shutdown word set (XLA's warm-up execution); the
   word is clear again and the real run has iterated since."""

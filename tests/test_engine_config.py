@@ -20,6 +20,7 @@ def test_defaults_are_valid_and_frozen():
     (dict(max_seqs=0), "max_seqs must be an integer >= 1"),
     (dict(max_seqs=True), "max_seqs must be an integer >= 1"),
     (dict(kv_pages=-1), "kv_pages must be an integer >= 1"),
+    (dict(kv_cache_memory_fraction=0), "kv_cache_memory_fraction must be in"),
     (dict(mode="device"), "mode must be one of"),
     (dict(buckets=(8, 1)), "buckets must be increasing"),
     (dict(max_context=1), "max_context must be at least 2"),
@@ -51,7 +52,9 @@ def test_resolved_fills_model_and_device_defaults():
       4096, 4096 // 16 * 4, (1, 8, 16, 32, 64, 256), False, 50_000)
   assert c.kernels == KernelOptions("blocked", "blocked", "reference", "none")
   g = EngineConfig(max_context=100, page_size=16).resolved(128, "gpu")
-  assert g.kv_pages == 7 * 8 and g.warm_up is True and g.idle_poll_us == 200
+  # kv_pages: sized by the engine from the GPU's memory (tests/test_capacity.py)
+  assert (g.max_seqs, g.kv_pages, g.kv_cache_memory_fraction) == (256, None, 0.9)
+  assert g.warm_up is True and g.idle_poll_us == 200
   assert g.buckets == (1, 8, 64, 256)
   assert (g.kernels.attention, g.kernels.prefill, g.kernels.norm, g.kernels.gemv) == (
       "pallas", "pallas", "pallas", "qkv+out+down")
@@ -66,12 +69,20 @@ def test_one_flag_per_field_and_back():
     for f in dataclasses.fields(cls):
       if f.name != "kernels":
         assert f.name in fv, f.name
+  assert fv["kv_cache_memory_fraction"].flag_type() == "float"
   fv(["prog", "--max_seqs=16", "--warm_up", "--gemv=none", "--attention=reference",
-      "--buckets=1,8,32", "--mode=host"])
+      "--buckets=1,8,32", "--mode=host", "--kv_cache_memory_fraction", "0.5"])
   c = from_flags(fv)
   assert c == EngineConfig(max_seqs=16, warm_up=True, buckets=(1, 8, 32), mode="host",
+                           kv_cache_memory_fraction=0.5,
                            kernels=KernelOptions(attention="reference", gemv="none"))
   unset = flags.FlagValues()
   define_flags(unset)
   unset(["prog"])
   assert from_flags(unset) == EngineConfig()
+  assert (from_flags(unset).max_seqs, from_flags(unset).kv_cache_memory_fraction) == (None, None)
+  bad = flags.FlagValues()
+  define_flags(bad)
+  bad(["prog", "--kv_cache_memory_fraction=1.5"])
+  with pytest.raises(ValueError, match=r"kv_cache_memory_fraction must be in \(0, 1\], got 1.5"):
+    from_flags(bad)

@@ -304,6 +304,8 @@ def test_sigterm_past_grace_ends_every_stream_in_time(tokenizer_path, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--ckpt", "x", "--workers", "0"], "--workers must be in 1..63"),
     (["--ckpt", "x", "--max_seqs", "0"], "max_seqs must be an integer >= 1"),
+    (["--ckpt", "x", "--kv_cache_memory_fraction", "0"],
+     "kv_cache_memory_fraction must be in (0, 1]"),
     (["--ckpt", "x", "--num_slots", "1", "--workers", "2"], "--num_slots must be at least"),
     (["--ckpt", "x", "--buckets", "8,a"], "--buckets must be integers"),
     (["--ckpt", "x", "--port", "70000"], "--port must be in 0..65535"),

@@ -20,7 +20,7 @@ import numpy as np
 
 from blink_jax.client import mailbox, protocol, shm
 from blink_jax.client.streaming import ChoiceDecoder, DeviceError
-from blink_jax.engine_config import EngineConfig
+from blink_jax.engine_config import DeviceMemory, EngineConfig, kv_pages_for_memory
 from blink_jax.executor.xla_flags import configure_command_buffers
 
 log = logging.getLogger("blink_jax.engine")
@@ -203,24 +203,65 @@ class Engine:
     if self.device.platform == "gpu":
       self._registration = host_memory.Registration(self.region.address, self.geo.total_bytes)
       mailbox_addr = self._registration.device_address
+    # Without kv_pages (a GPU) the most pages sequences can use, until the memory is read.
+    pages = c.kv_pages or -(-c.max_context // c.page_size) * c.max_seqs
     self.sched = ffi.SchedConfig.build(
         mailbox=mailbox_addr, num_slots=c.num_slots, max_prompt=self.geo.max_prompt,
         ring_capacity=c.ring_capacity, max_top_logprobs=c.max_top_logprobs,
         vocab_size=cfg.vocab_size, max_seqs=c.max_seqs, max_context=c.max_context,
-        page_size=c.page_size, num_pages=c.kv_pages, buckets=c.buckets,
+        page_size=c.page_size, num_pages=pages, buckets=c.buckets,
         eos_ids=self.eos_ids, idle_poll_us=c.idle_poll_us)
     self.executor = Executor(model, self.sched, max_top_logprobs=c.max_top_logprobs,
                              device=self.device,
                              kernels=asked.kernels)  # "auto" kept: it may fall back
+    memory = None
+    if c.kv_pages is None:
+      memory = self._size_kv_cache()
+      c = self.config
     log.info("engine: model %s (%s, %d layers), dtype %s, device %s", self.model_name,
              cfg.name, cfg.num_layers, self.dtype, self.device)
-    log.info("engine config: %s", c.describe())
+    log.info("engine config: %s", c.describe(memory))
     carry = self.executor.initial_carry()
     self.compiled = self.executor.compile(carry, c.mode)
+    if memory is not None:
+      self._check_workspace(memory)
     if self.executor.kernels != c.kernels:  # a Pallas kernel did not compile here
       self.config = dataclasses.replace(c, kernels=self.executor.kernels)
     self.client = mailbox.MailboxClient(self.region, c.frontend_workers, self.mailbox_workers)
     return carry
+
+  def _size_kv_cache(self) -> DeviceMemory:
+    """Sets kv_pages from the GPU's memory, read now that the executor holds the weights
+    (and their fused copies); returns the figures for the startup log."""
+    c, ex = self.config, self.executor
+    stats = self.device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+      raise ValueError(f"{self.device} reports no memory figures (memory_stats): set kv_pages")
+    memory = DeviceMemory(bytes_limit=int(stats["bytes_limit"]),
+                          bytes_in_use=int(stats.get("bytes_in_use", 0)),
+                          workspace_bytes=ex.workspace_bytes, page_bytes=ex.page_bytes)
+    pages = kv_pages_for_memory(**dataclasses.asdict(memory),
+                                fraction=c.kv_cache_memory_fraction, max_seqs=c.max_seqs,
+                                max_context=c.max_context, page_size=c.page_size)
+    self.config = dataclasses.replace(c, kv_pages=pages)
+    ex.set_num_pages(pages)
+    self.sched = ex.sched
+    return memory
+
+  def _check_workspace(self, memory: DeviceMemory) -> None:
+    """Compares the compiled loop's temporaries with the workspace the KV cache left free:
+    a loop that needs more would run out of memory at its first large step."""
+    try:
+      temp = int(self.compiled.memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - not every backend or version reports it
+      return
+    if temp > memory.workspace_bytes:
+      log.warning("the compiled loop's temporaries take %.2f GiB, more than the %.2f GiB the "
+                  "KV cache left for them: lower kv_cache_memory_fraction or set kv_pages",
+                  temp / 2**30, memory.workspace_bytes / 2**30)
+    else:
+      log.info("the compiled loop's temporaries: %.2f GiB of the %.2f GiB workspace",
+               temp / 2**30, memory.workspace_bytes / 2**30)
 
   def _start(self, carry) -> None:
     """Warm-up, then READY, the loop and poll threads, and the loop report."""

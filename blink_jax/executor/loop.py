@@ -28,7 +28,7 @@ from blink_jax.engine_config import KernelOptions
 from blink_jax.executor import xla_flags
 from blink_jax.executor.loop_report import XLA_OP_BY_OP_LINE, capture_stderr, command_buffer_report
 from blink_jax.kernels.select import step_kernels
-from blink_jax.model.gemma import Gemma, init_kv_cache
+from blink_jax.model.gemma import Gemma, init_kv_cache, kv_page_bytes
 from blink_jax.model.sampling import sample, top_n
 from blink_jax.native import batch, ffi
 
@@ -143,6 +143,27 @@ class Executor:
     step (a bfloat16 token of the 270M cost 290 instead of 60 ms); a float32 cache holds the
     same values, since the rows written are rounded to the model's dtype first."""
     return self.model.dtype if self.on_gpu else jnp.float32
+
+  @property
+  def page_bytes(self) -> int:
+    """Device bytes of one KV page (every layer's keys and values, in `kv_dtype`)."""
+    return kv_page_bytes(self.model.cfg, self.sched.page_size, self.kv_dtype)
+
+  @property
+  def workspace_bytes(self) -> int:
+    """What a GPU's KV cache leaves free for the step's temporaries: a conservative reserve,
+    since the compiled loop's own figure (`memory_analysis`) exists only after the compile,
+    which needs the page count. The largest temporaries are float32 [token_budget, vocab]
+    arrays (prompt logprobs: the logits of every row, their log-softmax, the top-n passes;
+    the sampler's over the samples): four are reserved, plus 512 MiB for the activations,
+    the carry's history and page table and XLA's scratch. For Gemma 3 1B (vocab 262,144,
+    budget 256) that is 1.5 GiB. The engine checks the compiled loop against it."""
+    return 4 * self.sched.token_budget * self.model.cfg.vocab_size * 4 + (512 << 20)
+
+  def set_num_pages(self, num_pages: int) -> None:
+    """The KV cache's page count, set before `initial_carry` and `compile` (the engine sizes
+    a GPU's cache from the memory left once __init__ has put the weights there)."""
+    self.sched = self.sched.replace(num_pages=num_pages)
 
   def initial_carry(self) -> Carry:
     s = self.sched

@@ -438,6 +438,13 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int,
   return [jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)]
 
 
+def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype: Any = jnp.bfloat16) -> int:
+  """Device bytes one page of `init_kv_cache` costs: keys and values of page_size tokens in
+  every layer (sliding-window layers too: each layer holds the full page count)."""
+  return cfg.num_layers * page_size * 2 * cfg.num_kv_heads * cfg.head_dim * \
+      jnp.dtype(dtype).itemsize
+
+
 def _str_keys(tree: Any) -> Any:
   """NNX state keys (ints for list entries) -> contract keys (strings)."""
   if isinstance(tree, dict):

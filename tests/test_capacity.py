@@ -1,0 +1,157 @@
+"""Capacity sized like vLLM's: max_seqs and kv_pages by platform, the KV pages a GPU's memory
+holds (`kv_pages_for_memory`), the startup line that says why, and the engine's wiring of
+the device's figures (stubbed: these run on the CPU)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import types
+
+import jax.numpy as jnp
+import pytest
+
+from blink_jax.engine_config import DeviceMemory, EngineConfig, kv_pages_for_memory
+
+GiB, MiB = 1 << 30, 1 << 20
+# A GPU with 100 GiB usable, 2 GiB of weights, 1.5 GiB of workspace and 1 MiB pages.
+MEM = DeviceMemory(bytes_limit=100 * GiB, bytes_in_use=2 * GiB,
+                   workspace_bytes=3 * GiB // 2, page_bytes=MiB)
+
+
+def pages(fraction=0.5, max_seqs=256, max_context=4096, page_size=16, **kw):
+  return kv_pages_for_memory(**{**dataclasses.asdict(MEM), **kw}, fraction=fraction,
+                             max_seqs=max_seqs, max_context=max_context, page_size=page_size)
+
+
+def test_pages_are_what_the_fraction_leaves_after_weights_and_workspace():
+  # 50 GiB - 2 - 1.5 = 46.5 GiB of 1 MiB pages; 256 x 4096 tokens could use 65,536.
+  assert pages(0.5) == 47_616
+  assert pages(0.25) == 25 * 1024 - 3584
+
+
+def test_pages_are_capped_at_max_context_for_every_sequence():
+  assert pages(0.9) == 256 * 4096 // 16  # 88,576 would fit
+  assert pages(0.9, max_seqs=8, max_context=100) == 8 * 7  # a partial page counts whole
+
+
+def test_pages_round_down_to_whole_pages_and_bytes():
+  small = dict(bytes_limit=10_001, bytes_in_use=1000, workspace_bytes=999)
+  # int(10_001 * 0.5) = 5000; 5000 - 1999 = 3001 bytes
+  assert pages(0.5, max_seqs=8, max_context=64, page_size=16, page_bytes=100, **small) == 30
+  assert pages(0.5, max_seqs=8, max_context=16, page_size=16, page_bytes=3001, **small) == 1
+  with pytest.raises(ValueError, match="leaves 0 pages of 3002 bytes"):
+    pages(0.5, max_seqs=8, max_context=16, page_size=16, page_bytes=3002, **small)
+
+
+def test_too_little_memory_for_one_max_context_names_the_figures():
+  # 0.0364 of 100 GiB = 3.64 GiB; less 3.5 GiB leaves 143 pages, 4096 tokens need 256.
+  with pytest.raises(ValueError) as e:
+    pages(0.0364)
+  msg = str(e.value)
+  for part in ("kv_cache_memory_fraction 0.0364 of 100.0 GiB", "less 2.0 GiB in use",
+               "1.5 GiB of step workspace", "leaves 143 pages of 1048576 bytes",
+               "max_context=4096 needs 256 (0.2 GiB)"):
+    assert part in msg, (part, msg)
+  with pytest.raises(ValueError, match="leaves 0 pages"):  # the weights alone overflow
+    pages(1.0, bytes_in_use=101 * GiB)
+
+
+@pytest.mark.parametrize("f", [0, 0.0, -0.1, 1.01, float("nan"), True, "0.5"])
+def test_bad_memory_fraction_is_refused(f):
+  with pytest.raises(ValueError, match=r"kv_cache_memory_fraction must be in \(0, 1\]"):
+    EngineConfig(kv_cache_memory_fraction=f)
+
+
+def test_resolution_by_platform():
+  gpu = EngineConfig().resolved(model_max_context=32768, platform="gpu")
+  assert (gpu.max_seqs, gpu.kv_pages, gpu.kv_cache_memory_fraction, gpu.buckets) == (
+      256, None, 0.9, (1, 8, 64, 256))  # kv_pages: the engine sizes it from the memory
+  cpu = EngineConfig().resolved(model_max_context=32768, platform="cpu")
+  assert (cpu.max_seqs, cpu.kv_pages, cpu.kv_cache_memory_fraction, cpu.buckets) == (
+      8, 8 * 4096 // 16, None, (1, 8, 16, 32, 64, 256))
+  asked = EngineConfig(max_seqs=300, kv_cache_memory_fraction=0.5).resolved(32768, "gpu")
+  assert (asked.max_seqs, asked.kv_cache_memory_fraction, asked.buckets[-1]) == (300, 0.5, 300)
+  given = EngineConfig(kv_pages=100).resolved(32768, "gpu")
+  assert (given.kv_pages, given.kv_cache_memory_fraction) == (100, None)
+  assert EngineConfig().max_seqs_on("gpu") == 256 and EngineConfig().max_seqs_on("cpu") == 8
+  assert EngineConfig(max_seqs=3).max_seqs_on("gpu") == 3
+
+
+def test_the_startup_line_says_what_was_chosen_and_why():
+  cpu = EngineConfig().resolved(32768, "cpu").describe()
+  assert cpu.startswith("capacity: 8 sequences, 2048 KV pages (max_context worth per "
+                        "sequence); max_seqs=8, kv_pages=2048, "), cpu
+  given = EngineConfig(kv_pages=100).resolved(32768, "gpu").describe()
+  assert given.startswith("capacity: 256 sequences, 100 KV pages (set by kv_pages); "), given
+  gpu = dataclasses.replace(EngineConfig(kv_cache_memory_fraction=0.5).resolved(32768, "gpu"),
+                            kv_pages=47_616)
+  assert gpu.describe(MEM).startswith(
+      "capacity: 256 sequences, 47616 KV pages (0.5 of 100.0 GiB: weights 2.0 GiB, "
+      "workspace 1.5 GiB, 46.5 GiB of KV); max_seqs=256, kv_pages=47616, "
+      "kv_cache_memory_fraction=0.5, "), gpu.describe(MEM)
+  capped = dataclasses.replace(EngineConfig().resolved(32768, "gpu"), kv_pages=65_536)
+  assert capped.describe(MEM).startswith(
+      "capacity: 256 sequences, 65536 KV pages (0.9 of 100.0 GiB: weights 2.0 GiB, "
+      "workspace 1.5 GiB, 64.0 GiB of KV; capped at max_context worth per sequence, room "
+      "for 88576); "), capped.describe(MEM)
+  assert not EngineConfig().describe().startswith("capacity")  # unresolved: nothing chosen
+
+
+# ---- the engine's and the executor's side, stubbed (no GPU here) ----
+
+class _Executor:
+  workspace_bytes, page_bytes = MEM.workspace_bytes, MEM.page_bytes
+
+  def __init__(self):
+    self.sched = types.SimpleNamespace(num_pages=256 * 256)
+
+  def set_num_pages(self, n):
+    self.sched = types.SimpleNamespace(num_pages=n)
+
+
+def _engine(stats, **config):
+  from blink_jax.engine import Engine
+  eng = types.SimpleNamespace(
+      config=EngineConfig(**config).resolved(32768, "gpu"), executor=_Executor(),
+      device=types.SimpleNamespace(memory_stats=lambda: stats))
+  return Engine, eng
+
+
+def test_the_engine_sizes_the_cache_from_the_devices_figures():
+  Engine, eng = _engine({"bytes_limit": 100 * GiB, "bytes_in_use": 2 * GiB, "peak": 1},
+                        kv_cache_memory_fraction=0.5)
+  assert Engine._size_kv_cache(eng) == MEM
+  assert eng.config.kv_pages == eng.sched.num_pages == eng.executor.sched.num_pages == 47_616
+  Engine, eng = _engine(None)
+  with pytest.raises(ValueError, match="reports no memory figures.*set kv_pages"):
+    Engine._size_kv_cache(eng)
+
+
+def test_the_compiled_loop_is_checked_against_the_workspace(caplog):
+  from blink_jax.engine import Engine
+  for temp, level, text in ((2 * GiB, logging.WARNING, "more than the 1.50 GiB"),
+                            (GiB, logging.INFO, "1.00 GiB of the 1.50 GiB workspace")):
+    eng = types.SimpleNamespace(compiled=types.SimpleNamespace(
+        memory_analysis=lambda t=temp: types.SimpleNamespace(temp_size_in_bytes=t)))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="blink_jax.engine"):
+      Engine._check_workspace(eng, MEM)
+    assert [(r.levelno, text in r.getMessage()) for r in caplog.records] == [(level, True)]
+
+
+def test_page_bytes_are_what_the_cache_allocates():
+  from blink_jax.model.config import get_config, tiny_config
+  from blink_jax.model.gemma import init_kv_cache, kv_page_bytes
+  cfg = tiny_config("gemma3")
+  cache = init_kv_cache(cfg, 3, 4, jnp.float32)
+  assert kv_page_bytes(cfg, 4, jnp.float32) * 3 == sum(x.nbytes for x in cache)
+  # Gemma 3 1B in bf16: 26 layers x 16 tokens x K and V x 1 head x 256 x 2 bytes (416 KiB).
+  assert kv_page_bytes(get_config("gemma3-1b"), 16, jnp.bfloat16) == 425_984
+
+
+def test_the_workspace_reserve_of_the_1b_shape_is_1_5_gib():
+  from blink_jax.executor.loop import Executor
+  ex = types.SimpleNamespace(sched=types.SimpleNamespace(token_budget=256),
+                             model=types.SimpleNamespace(cfg=types.SimpleNamespace(
+                                 vocab_size=262_144)))
+  assert Executor.workspace_bytes.fget(ex) == 3 * GiB // 2
