@@ -347,10 +347,11 @@ class PowerSampler:
 
 # ---- host CPU of the server ------------------------------------------------------------------
 
-# Which of a server's processes do what (docs/PERFORMANCE.md, "Serving"): blink-jax's frontend
-# workers and vLLM's API server are the HTTP side (tokenizing, streaming: a SmartNIC's job in
-# Blink); serve.py and vLLM's EngineCore drive the GPU. First match wins; a process matching
-# none inherits its parent's role (a worker's parser pool is frontend), the root is "engine".
+# Which of a server's processes do what (docs/PERFORMANCE.md, "Serving suite"): blink-jax's
+# frontend workers and vLLM's API server are the HTTP side (tokenizing, streaming: a
+# SmartNIC's job in Blink); serve.py and vLLM's EngineCore drive the GPU. First match wins; a
+# process matching none inherits its parent's role (a worker's parser pool is frontend), the
+# root is "engine".
 CPU_ROLES = (("engine", ("EngineCore",)), ("frontend", ("nic_frontend", "vllm.entrypoints")))
 
 
