@@ -660,7 +660,11 @@ class _Run:
 
   async def _send_piece(self, resp, c: _Choice, piece, lp) -> None:
     chat = self.gen.kind == "chat"
-    if piece.text or lp is not None:
+    # A chunk for every batch of new tokens, also when its text is empty (a control token, an
+    # incomplete character, text a stop string may still claim), as vLLM streams: the client
+    # sees the tokens arrive, so its TTFT and inter-token times are the engine's, not those of
+    # the first visible character (docs/PERFORMANCE.md, "Serving suite").
+    if piece.tokens or piece.text or lp is not None:
       if chat:
         ch = api.chat_delta_choice(c.index, {"content": piece.text}, lp, None)
       else:

@@ -268,6 +268,29 @@ def test_stream_completion_sse_framing(stack):
   assert "".join(e["choices"][0]["text"] for e in events) == text
 
 
+def test_stream_sends_a_chunk_for_tokens_without_text(stack):
+  """Tokens whose text is empty so far (the bytes of an unfinished character, <eos> with
+  ignore_eos) still reach the client as chunks, as vLLM streams them: TTFT is the first
+  token's, not the first visible character's. One token per step (a slow device), so each
+  arrives in its own batch."""
+  tok, story = stack.tok, stack.story
+  def silent(start, n):  # the first n tokens of a prompt of `start` tokens add no text
+    d = tok.detokenizer()
+    return all(d.push(story[(start + k) % len(story)]) == "" for k in range(n))
+  plen = next(L for L in range(2, 200) if silent(L, 3))
+  prompt = [2] + [5] * (plen - 1)
+  stack.device.step_delay_s = 0.05
+  try:
+    events = _sse(stack, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4,
+                                             "stream": True, "ignore_eos": True})
+  finally:
+    stack.device.step_delay_s = 0.0
+  texts = [e["choices"][0]["text"] for e in events if e["choices"][0]["finish_reason"] is None]
+  assert texts[:3] == ["", "", ""], texts
+  assert "".join(e["choices"][0]["text"] for e in events) == stack.expected(
+      plen, 4, ignore_eos=True)[0]
+
+
 def test_stream_chat_openai_client(stack):
   messages = [{"role": "user", "content": "Stream a story"}]
   stream = stack.client().chat.completions.create(
