@@ -118,9 +118,15 @@ class EngineConfig:
   num_slots: int = _field(64, "Mailbox request slots, shared out among the frontend workers.")
   ring_capacity: int = _field(64, "Entries of each slot's output ring.")
   max_top_logprobs: int = _field(8, "Most top logprobs a request may ask for.")
-  buckets: tuple[int, ...] | None = _field(None, "Token counts the step is compiled for "
-                                           "(default: 1, 8, 64 and the token budget; on a CPU "
-                                           "also 16 and 32).")
+  max_num_batched_tokens: int | None = _field(
+      None, "Tokens one step may take, like vLLM's --max-num-batched-tokens: every decoding "
+      "sequence's row first, then chunks of prompts, oldest first (default: "
+      "max(256, max_seqs), or the largest of buckets).")
+  buckets: tuple[int, ...] | None = _field(None, "Token counts the step is compiled for, the "
+                                           "largest being max_num_batched_tokens (default: "
+                                           "1, 8, 64, then doubling from 256 up to "
+                                           "max_num_batched_tokens; on a CPU also 16 and "
+                                           "32).")
   mode: str = _field("persistent", "persistent: the serving loop runs on the device; host: "
                      "the host drives each step (the conventional design, for comparison).",
                      choices=MODES)
@@ -142,7 +148,7 @@ class EngineConfig:
         raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
     for name in ("page_size", "num_slots", "ring_capacity"):
       positive(name)
-    for name in ("max_seqs", "kv_pages", "max_context"):
+    for name in ("max_seqs", "kv_pages", "max_context", "max_num_batched_tokens"):
       positive(name, allow_none=True)
     f = self.kv_cache_memory_fraction
     if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float))
@@ -163,6 +169,9 @@ class EngineConfig:
           or list(b) != sorted(set(b)):
         raise ValueError(f"buckets must be increasing integers >= 1, got {self.buckets!r}")
       object.__setattr__(self, "buckets", b)
+      if self.max_num_batched_tokens not in (None, b[-1]):
+        raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) is the "
+                         f"largest bucket: buckets {b} end at {b[-1]}")
     if not isinstance(self.kernels, KernelOptions):
       raise TypeError(f"kernels must be a KernelOptions, got {type(self.kernels).__name__}")
 
@@ -188,10 +197,10 @@ class EngineConfig:
 
   def resolved(self, model_max_context: int, platform: str) -> "EngineConfig":
     """The config with the model- and device-dependent defaults filled in: max_seqs,
-    max_context, kv_pages, kv_cache_memory_fraction, buckets, idle_poll_us, warm_up and the
-    kernels' "auto". On a GPU without kv_pages, kv_pages stays None here: it depends on
-    the memory left once the weights are loaded, so the engine fills it in then
-    (`kv_pages_for_memory`)."""
+    max_context, kv_pages, kv_cache_memory_fraction, max_num_batched_tokens, buckets,
+    idle_poll_us, warm_up and the kernels' "auto". On a GPU without kv_pages, kv_pages stays
+    None here: it depends on the memory left once the weights are loaded, so the engine
+    fills it in then (`kv_pages_for_memory`)."""
     max_seqs = self.max_seqs_on(platform)
     max_context = self.max_context or min(model_max_context, 4096)
     if max_context > model_max_context:
@@ -203,17 +212,24 @@ class EngineConfig:
       kv_pages = -(-max_context // self.page_size) * max_seqs
     buckets = self.buckets
     if buckets is None:
-      budget = max(256, max_seqs)
+      budget = self.max_num_batched_tokens or max(256, max_seqs)
       # A CPU pays for every padded row (a GPU's small steps cost their weights' reading):
-      # 16 and 32 there too, so a short prompt is not padded to 64 rows.
-      sizes = (1, 8, 64) if platform == "gpu" else (1, 8, 16, 32, 64)
+      # 16 and 32 there too, so a short prompt is not padded to 64 rows. Past 256 rows the
+      # sizes double, so a step is padded to less than twice its tokens.
+      sizes = [1, 8, 64] if platform == "gpu" else [1, 8, 16, 32, 64]
+      while sizes[-1] < budget:
+        sizes.append(max(256, 2 * sizes[-1]))
       buckets = tuple(sorted({min(b, budget) for b in sizes} | {budget}))
+    if buckets[-1] < max_seqs:
+      raise ValueError(f"max_num_batched_tokens ({buckets[-1]}) must hold a decode row for "
+                       f"each of max_seqs ({max_seqs}) sequences")
     idle_poll_us = self.idle_poll_us
     if idle_poll_us is None:
       idle_poll_us = 200 if platform == "gpu" else 50_000
     return dataclasses.replace(
         self, max_seqs=max_seqs, max_context=max_context, kv_pages=kv_pages,
-        kv_cache_memory_fraction=fraction, buckets=buckets, idle_poll_us=idle_poll_us,
+        kv_cache_memory_fraction=fraction, max_num_batched_tokens=buckets[-1],
+        buckets=buckets, idle_poll_us=idle_poll_us,
         warm_up=(platform == "gpu") if self.warm_up is None else self.warm_up,
         kernels=self.kernels.resolved(platform))
 

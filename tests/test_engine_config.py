@@ -62,6 +62,28 @@ def test_resolved_fills_model_and_device_defaults():
   assert "max_seqs=4" in c.describe() and "kernels: attention=blocked" in c.describe()
 
 
+def test_step_token_budget_and_its_buckets():
+  """max_num_batched_tokens is the largest bucket; past 256 the default buckets double."""
+  gpu = lambda **kw: EngineConfig(**kw).resolved(4096, "gpu")  # noqa: E731
+  assert gpu().buckets == (1, 8, 64, 256) and gpu().max_num_batched_tokens == 256
+  assert gpu(max_num_batched_tokens=2048).buckets == (1, 8, 64, 256, 512, 1024, 2048)
+  assert gpu(max_num_batched_tokens=3000).buckets == (1, 8, 64, 256, 512, 1024, 2048, 3000)
+  assert gpu(max_seqs=512).buckets == (1, 8, 64, 256, 512)
+  cpu = EngineConfig(max_num_batched_tokens=1000).resolved(4096, "cpu")
+  assert cpu.buckets == (1, 8, 16, 32, 64, 256, 512, 1000)
+  assert EngineConfig(max_num_batched_tokens=48).resolved(4096, "cpu").buckets == (
+      1, 8, 16, 32, 48)
+  # Given buckets: the budget is their largest.
+  assert gpu(max_seqs=4, buckets=(4, 32)).max_num_batched_tokens == 32
+  assert gpu(max_seqs=4, buckets=(4, 32), max_num_batched_tokens=32).buckets == (4, 32)
+  with pytest.raises(ValueError, match="max_num_batched_tokens .*largest bucket"):
+    EngineConfig(buckets=(4, 32), max_num_batched_tokens=64)
+  with pytest.raises(ValueError, match="must hold a decode row for each of max_seqs"):
+    gpu(max_num_batched_tokens=128)  # 256 sequences on a GPU
+  with pytest.raises(ValueError, match="max_num_batched_tokens must be an integer >= 1"):
+    EngineConfig(max_num_batched_tokens=0)
+
+
 def test_one_flag_per_field_and_back():
   fv = flags.FlagValues()
   define_flags(fv)
