@@ -28,7 +28,7 @@ N=${NUM_PROMPTS:-48}
 # tokens/s after it.
 SLO_TTFT_MS=${SLO_TTFT_MS:-1000}
 SLO_TPOT_MS=${SLO_TPOT_MS:-10}
-UNPINNED=${UNPINNED:-gemma3-1b:persistent}
+UNPINNED=${UNPINNED-gemma3-1b:persistent}  # empty: none
 OUT=${OUT:-/tmp/blink_serving}
 mkdir -p "$OUT"
 NCPU=$(nproc)
@@ -41,8 +41,8 @@ VLLM_PATH=$VLLM_SITE:$VLLM_SITE/nvidia_cutlass_dsl/dsl_packages  # cutlass-dsl's
 CROSSCHECK=${CROSSCHECK:-vllm persistent}
 SERVER_INFO="" SRV=""
 pack() {  # one archive (the device returns a limited number of files), refreshed after each run
-  tar czf "$OUT/serving_results.tgz" bench/results/serving_h200_* bench/results/crosscheck_h200_* \
-    2>/dev/null
+  tar czf "$OUT/serving_results.tgz" $(ls bench/results/serving_h200_* \
+    bench/results/crosscheck_h200_* 2>/dev/null)
 }
 bench() {  # label, port, interference, frontend cpus (empty: unpinned), [more bench.serving flags]
   python3 -m bench.serving --base_url "http://127.0.0.1:$2/v1" --num_prompts "$N" \
