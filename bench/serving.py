@@ -63,6 +63,8 @@ def define_flags() -> None:
   flags.DEFINE_float("slo_ttft_ms", None, "goodput SLO on TTFT")
   flags.DEFINE_float("slo_tpot_ms", None, "goodput SLO on TPOT")
   flags.DEFINE_integer("interference", 0, "N memory-thrashing processes for the whole run")
+  flags.DEFINE_list("client_cpus", [], "cores of this load generator (default: "
+                    "--frontend_cpus); the interference avoids them too")
   flags.DEFINE_list("frontend_cpus", [], "cores of the frontend (SmartNIC role); the "
                     "interference avoids them (empty: interference on all cores, unpinned)")
   flags.DEFINE_string("label", "default", "name of this configuration in results and plots")
@@ -644,8 +646,9 @@ def main(argv):
   rates = [parse_rate(r) for r in FLAGS.rates]
 
   frontend_cpus = sorted(int(c) for c in FLAGS.frontend_cpus)
+  client_cpus = sorted(int(c) for c in FLAGS.client_cpus) or frontend_cpus
   all_cpus = set(os.sched_getaffinity(0))
-  interference_cpus = sorted(all_cpus - set(frontend_cpus))
+  interference_cpus = sorted(all_cpus - set(frontend_cpus) - set(client_cpus))
   if FLAGS.interference and not interference_cpus:
     raise app.UsageError("--frontend-cpus leaves no core for the interference")
   print(f"model {model}, context {max_context}, {len(reqs)} prompts "
@@ -654,8 +657,8 @@ def main(argv):
         f"interference {FLAGS.interference} on cpus "
         f"{'all' if not frontend_cpus else interference_cpus}")
 
-  if frontend_cpus:  # the load generator stands for the network side: it runs with the frontend
-    os.sched_setaffinity(0, set(frontend_cpus))
+  if client_cpus:  # the load generator stands for the network side: by default with the frontend
+    os.sched_setaffinity(0, set(client_cpus))
   sampler = PowerSampler(FLAGS.power_interval_ms / 1e3)
   cpu = ServerCPU(FLAGS.server_pid)
   procs = C.start_interference(FLAGS.interference, set(interference_cpus), 24 * 3600) \
@@ -689,7 +692,7 @@ def main(argv):
            "prompt_format": FLAGS.prompt_format, "seed": FLAGS.seed,
            "num_prompts": FLAGS.num_prompts, "max_concurrency": FLAGS.max_concurrency,
            "interference": FLAGS.interference,
-           "frontend_cpus": frontend_cpus or None,
+           "frontend_cpus": frontend_cpus or None, "client_cpus": client_cpus or None,
            "interference_cpus": (interference_cpus if frontend_cpus else "all")
            if FLAGS.interference else None,
            "energy_note": sampler.reason, "requests": per_request}

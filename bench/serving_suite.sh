@@ -33,7 +33,10 @@ OUT=${OUT:-/tmp/blink_serving}
 mkdir -p "$OUT"
 NCPU=$(nproc)
 FRONT=0,1                       # the frontend's cores (a SmartNIC's, out of the host's reach)
-ENGINE_CPUS=2-$((NCPU - 1))     # the engine shares these with the interference
+# The load generator's (default: the frontend's; CLIENT=2,3 ENGINE_CPUS=4-15 gives it its own,
+# where at saturation the two together fill cores 0-1: docs/PERFORMANCE.md, "Known gaps").
+CLIENT=${CLIENT:-$FRONT}
+ENGINE_CPUS=${ENGINE_CPUS:-2-$((NCPU - 1))}  # the engine shares these with the interference
 INT=$((2 * NCPU))
 PEER_DIR=${PEER_DIR:-.carry/peer}
 VLLM_SITE=${VLLM_SITE:-/tmp/site}
@@ -49,7 +52,8 @@ bench() {  # label, port, interference, frontend cpus (empty: unpinned), [more b
     ${SERVER_INFO:+--server_info "$SERVER_INFO"} --server_pid "$SRV" \
     --rates "$RATES" --max_context 2048 --max_input_len 1024 --interference "$3" \
     --slo_ttft_ms "$SLO_TTFT_MS" --slo_tpot_ms "$SLO_TPOT_MS" \
-    --frontend_cpus "$4" --label "$1" --out "bench/results/serving_h200_$1.json" --noplot "${@:5}" 2>&1 \
+    --frontend_cpus "$4" ${4:+--client_cpus "$CLIENT"} --label "$1" --noplot \
+    --out "bench/results/serving_h200_$1.json" "${@:5}" 2>&1 \
     | grep -v "^[IW]1" | tail -6
   pack
 }
@@ -98,7 +102,7 @@ for shape in $SHAPES; do
         --max_concurrency 1 --input_len 1024 --output_len 256
     fi
     if [[ " $CROSSCHECK " == *" $mode "* && -d $VLLM_SITE/vllm ]]; then
-      taskset -c "$FRONT" python3 -m bench.crosscheck --base_url "http://127.0.0.1:$port/v1" \
+      taskset -c "$CLIENT" python3 -m bench.crosscheck --base_url "http://127.0.0.1:$port/v1" \
         --tokenizer "$PEER_DIR/tokenizer" --vllm_path "$VLLM_PATH" \
         --rate "${CROSSCHECK_RATE:-16}" --num_prompts "$N" --label "${shape}_${mode}" \
         --out "bench/results/crosscheck_h200_${shape}_${mode}.json" 2>&1 | grep -v "^[IW]1" | tail -22

@@ -239,6 +239,7 @@ def test_end_to_end_against_frontend_worker(server, tmp_path):
     assert len(lens) > 1  # lengths from the distribution, not one constant
   if interference:
     assert doc["interference"] == 1 and doc["frontend_cpus"] == [0]
+    assert doc["client_cpus"] == [0]  # the load generator runs with the frontend by default
     assert 0 not in doc["interference_cpus"]
   png = out.with_suffix(".png")
   if BS_HAS_MPL:
