@@ -3,8 +3,9 @@ one server, the same workload (fixed input and output lengths, the same number o
 Poisson arrivals at the same rate, greedy, ignore_eos), one after the other; the figures
 side by side with their ratio. The two tools should agree within run-to-run noise.
 
-  python -m bench.crosscheck --base_url http://127.0.0.1:8000/v1 --tokenizer .carry/peer/tokenizer \\
-      --vllm_path /tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages --rate 16 --label blink
+  python -m bench.crosscheck --base_url http://127.0.0.1:8000/v1 \\
+      --tokenizer .carry/peer/tokenizer --rate 16 --label blink \\
+      --vllm_path /tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 
 `--tokenizer` is the Hugging Face tokenizer folder `vllm bench serve` draws its random prompts
 with (`python -m bench.peer model_dir`); `--vllm_path` the PYTHONPATH of a vLLM install

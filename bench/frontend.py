@@ -5,7 +5,7 @@ count: output tokens/s, SSE chunks per token, and the CPU seconds per 1k tokens 
 frontend processes and of the fake engine (`bench.serving.ServerCPU`). Worker counts
 alternate over the repeats; the result is the median with its spread.
 
-  python -m bench.frontend --workers 1,2,4 --streams 256 --output_len 200 --repeats 3
+  python -m bench.frontend --workers 1,2,4 --streams 256 --output_len 200 --step_ms 3 --repeats 3
 
 The load generator runs in this process (pin it with taskset to keep it off the workers'
 cores); on a machine of few cores the load generator, the fake device and the workers share
@@ -40,12 +40,15 @@ def define_flags():
   flags.DEFINE_integer("output_len", 200, "tokens per request (the fake device's context is "
                        "256)")
   flags.DEFINE_integer("input_len", 16, "prompt tokens per request")
+  flags.DEFINE_float("step_ms", 3.0, "the fake device's pace: one token per stream per step "
+                     "(the 1B shape's step at a few hundred rows on the H200 is 3-10 ms); 0: "
+                     "as fast as it goes, tokens then arrive many per chunk")
   flags.DEFINE_integer("repeats", 2, "runs per worker count (alternated)")
   flags.DEFINE_string("out", "bench/results/frontend_fake.json", "JSON result")
 
 
 @contextlib.contextmanager
-def fake_server(workers: int, streams: int, tmp: pathlib.Path):
+def fake_server(workers: int, streams: int, step_ms: float, tmp: pathlib.Path):
   """serve.py over the fake device with `workers` frontend workers; yields (port, pid)."""
   from tests import fake_device as FD
   tok = FD.tiny_tokenizer(tmp / "tok")
@@ -54,7 +57,8 @@ def fake_server(workers: int, streams: int, tmp: pathlib.Path):
   cmd = [sys.executable, "-c", "import sys; from tests.fake_device import fake_serve; "
          "fake_serve(sys.argv)", "--ckpt", "fake", "--tokenizer", str(tok), "--port", str(port),
          "--fake_info_file", str(info), "--workers", str(workers), "--max_seqs", str(streams),
-         "--num_slots", str(2 * streams), "--engine_stall_s", "0"]
+         "--num_slots", str(2 * streams), "--engine_stall_s", "0",
+         "--fake_step_delay_s", str(step_ms / 1e3)]
   env = {k: v for k, v in os.environ.items() if k != "BLINK_API_KEY"}
   log = tmp / f"serve_{workers}.log"
   proc = FD.spawn_until_ready(cmd, info, log, env)
@@ -96,7 +100,7 @@ def main(argv):
   with tempfile.TemporaryDirectory() as tmp:
     for rep in range(FLAGS.repeats):
       for w in counts:  # alternated: 1 2 1 2 ...
-        with fake_server(w, FLAGS.streams, pathlib.Path(tmp)) as (port, pid):
+        with fake_server(w, FLAGS.streams, FLAGS.step_ms, pathlib.Path(tmp)) as (port, pid):
           one_run(port, pid, 8, FLAGS.input_len, 8, 99)  # connections and caches warm
           r = one_run(port, pid, FLAGS.streams, FLAGS.input_len, FLAGS.output_len, rep)
         runs[w].append(r)
@@ -112,7 +116,8 @@ def main(argv):
     row["failed"] = sum(r["failed"] for r in runs[w])
     rows.append(row)
   C.write_result(FLAGS.out, "frontend", rows, {
-      "host_cpu": C.cpu_model(), "streams": FLAGS.streams, "input_len": FLAGS.input_len,
+      "host_cpu": C.cpu_model(), "streams": FLAGS.streams, "step_ms": FLAGS.step_ms,
+      "input_len": FLAGS.input_len,
       "output_len": FLAGS.output_len, "load_generator_cpus": sorted(os.sched_getaffinity(0))})
   print(C.table(rows, ["workers", "output_throughput_median", "output_throughput_min",
                        "output_throughput_max", "chunks_per_token_median",

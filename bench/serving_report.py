@@ -33,7 +33,8 @@ BLINK_HEADLINE = {"p99_ttft": "up to 8.47x lower", "p99_tpot": "up to 3.40x lowe
 
 def define_flags():
   flags.DEFINE_string("results", "bench/results", "folder of the result files")
-  flags.DEFINE_string("prefix", "serving_h200_", "result files: <prefix><shape>_<server>_<run>.json")
+  flags.DEFINE_string("prefix", "serving_h200_",
+                      "result files: <prefix><shape>_<server>_<run>.json")
   flags.DEFINE_string("crosscheck_prefix", "crosscheck_h200_", "cross-check result files")
   flags.DEFINE_string("plot_dir", None, "write <prefix><shape without gemma3->_p99.png here")
 
