@@ -156,7 +156,7 @@ class MailboxClient:
     for s in self.slots:
       req = self._request(s)
       self._seq[s] = int(req["seq"])
-      if self._seq[s] != 0 and int(self._output(s)["finished_seq"]) != self._seq[s]:
+      if self._seq[s] != 0 and self._output(s).finished_seq != self._seq[s]:
         self._stale.add(s)
         self._free.remove(s)
     if self._stale:
@@ -169,9 +169,10 @@ class MailboxClient:
     raw = self.region.read(self.geo.request_offset(slot), protocol.REQUEST_FIXED_BYTES)
     return np.frombuffer(raw, protocol.REQUEST_DTYPE)[0]
 
-  def _output(self, slot: int) -> np.ndarray:
-    raw = self.region.read(self.geo.output_offset(slot), protocol.OUTPUT_FIXED_BYTES)
-    return np.frombuffer(raw, protocol.OUTPUT_DTYPE)[0]
+  def _output(self, slot: int) -> protocol.OutputHeader:
+    h = protocol.OUTPUT_HEADER
+    return protocol.OutputHeader._make(h.unpack(self.region.read(self.geo.output_offset(slot),
+                                                                 h.size)))
 
   def _ring_doorbell(self) -> None:
     self._doorbell += 1
@@ -194,7 +195,7 @@ class MailboxClient:
     returns how many are still pending."""
     with self._lock:
       for s in sorted(self._stale):
-        if int(self._output(s)["finished_seq"]) == self._seq[s]:
+        if self._output(s).finished_seq == self._seq[s]:
           self._stale.discard(s)
           self._free.append(s)
       return len(self._stale)
@@ -257,13 +258,13 @@ class MailboxClient:
     """Reads the entries produced since the last poll (and marks them consumed)."""
     g, seq = self.geo, self._seq[slot]
     out = self._output(slot)
-    if int(out["started_seq"]) != seq:
+    if out.started_seq != seq:
       return Output([], [], [], False)
-    finished = int(out["finished_seq"]) == seq
-    count = int(out["count"])  # read after finished_seq: includes every entry if finished
+    finished = out.finished_seq == seq
+    count = out.count  # read after finished_seq: includes every entry if finished
     if finished:
       out = self._output(slot)
-      count = int(out["count"])
+      count = out.count
     start = self._read[slot]
     n = count - start
     tokens, lps, top = [], [], []
@@ -286,9 +287,9 @@ class MailboxClient:
       self._read[slot] = count
       self.region.write(g.request_offset(slot) + _CONSUMED, _u32(count))
     return Output(tokens, lps, top, finished,
-                  protocol.Finish(int(out["finish_reason"])) if finished else protocol.Finish.NONE,
-                  protocol.Error(int(out["error_code"])) if finished else protocol.Error.NONE,
-                  int(out["admit_ticket"]), int(out["preemptions"]))
+                  protocol.Finish(out.finish_reason) if finished else protocol.Finish.NONE,
+                  protocol.Error(out.error_code) if finished else protocol.Error.NONE,
+                  out.admit_ticket, out.preemptions)
 
   def progress(self) -> bytes:
     """The device's progress counters: unchanged since the last call means no output ring of
