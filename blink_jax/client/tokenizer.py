@@ -126,15 +126,10 @@ class Tokenizer:
 
   @functools.cached_property
   def _control_ids(self) -> dict[str, int]:
-    """{text: id} of the control pieces, each of which `_CONTROL_TEXT` matches."""
-    out = {}
-    for i in range(self.vocab_size):
-      if self.sp.is_control(i) and (piece := self.sp.id_to_piece(i)):
-        if not _CONTROL_TEXT.fullmatch(piece):
-          raise ValueError(f"control piece {piece!r} is not of the form <name>: "
-                           f"parse_special cannot find it in text")
-        out[piece] = i
-    return out
+    """{text: id} of the control pieces `_CONTROL_TEXT` can find (all of Gemma's; a model's
+    piece of another form stays text)."""
+    return {piece: i for i in range(self.vocab_size)
+            if self.sp.is_control(i) and _CONTROL_TEXT.fullmatch(piece := self.sp.id_to_piece(i))}
 
   def decode(self, ids: Iterable[int]) -> str:
     """Text of `ids`; control tokens (<bos>, <eos>, turn markers) decode to nothing."""
