@@ -115,21 +115,27 @@ def test_metrics_on_hand_made_timelines():
   assert (m["duration"], m["total_input_tokens"], m["total_output_tokens"]) == (2.0, 30, 6)
 
 
-def test_server_cpu_counts_a_process_tree_by_role(tmp_path):
-  """A parent ("engine") that spins 0.4 s, a child whose command line names nic_frontend that
-  spins 0.3 s, and a grandchild of it (inherits frontend) that spins 0.6 s: each role's CPU
-  seconds over the block, and per 1k tokens."""
-  def script(name, seconds, child=None):
+@pytest.mark.parametrize("server,parent,child,roles", [
+    # blink-jax: serve.py (engine) > a frontend worker > its parser pool (inherits frontend).
+    ("blink", "", "nic_frontend", ("engine", "frontend")),
+    # vLLM: the API server (its HTTP side) > EngineCore > a helper of it (inherits engine).
+    ("vllm", "vllm.entrypoints.openai.api_server", "VLLM::EngineCore", ("frontend", "engine")),
+])
+def test_server_cpu_counts_a_process_tree_by_role(tmp_path, server, parent, child, roles):
+  """A parent that spins 0.4 s, a child that spins 0.3 s, and a grandchild of it that spins
+  0.6 s, their command lines marked like the server's: each role's CPU seconds over the
+  block, and per 1k tokens."""
+  def script(name, seconds, child_script=None):
     launch = (f"import subprocess, sys\nkid = subprocess.Popen([sys.executable, "
-              f"{str(tmp_path / child)!r}, 'nic_frontend'])\n" if child else "")
+              f"{str(tmp_path / child_script)!r}, {child!r}])\n" if child_script else "")
     (tmp_path / name).write_text(
         launch + "import time\ntime.sleep(0.5)\nt = time.process_time()\n"
         f"while time.process_time() - t < {seconds}: pass\n"
-        + ("kid.wait()\n" if child else "time.sleep(30)\n"))
+        + ("kid.wait()\n" if child_script else "time.sleep(30)\n"))
   script("grandchild.py", 0.6)
   script("child.py", 0.3, "grandchild.py")
   script("parent.py", 0.4, "child.py")
-  proc = subprocess.Popen([sys.executable, str(tmp_path / "parent.py")])
+  proc = subprocess.Popen([sys.executable, str(tmp_path / "parent.py"), parent])
   try:
     deadline = time.time() + 20
     while len(BS.process_tree(proc.pid)) < 3 and time.time() < deadline:
@@ -145,12 +151,13 @@ def test_server_cpu_counts_a_process_tree_by_role(tmp_path):
     for pid in BS.process_tree(proc.pid):
       os.kill(pid, signal.SIGKILL)
     proc.wait()
-  roles = r["host_cpu_s_by_role"]
-  assert r["server_processes"] == 3 and set(roles) == {"engine", "frontend"}, r
-  assert roles["engine"] == pytest.approx(0.4, abs=0.2), r
-  assert roles["frontend"] == pytest.approx(0.9, abs=0.3), r
+  by_role = r["host_cpu_s_by_role"]
+  root_role, child_role = roles
+  assert r["server_processes"] == 3 and set(by_role) == {"engine", "frontend"}, r
+  assert by_role[root_role] == pytest.approx(0.4, abs=0.2), r
+  assert by_role[child_role] == pytest.approx(0.9, abs=0.3), r
   assert r["host_cpu_s_per_1k_tokens"] == pytest.approx(r["host_cpu_s"] / 2)
-  assert r["engine_cpu_s_per_1k_tokens"] == pytest.approx(roles["engine"] / 2)
+  assert r["engine_cpu_s_per_1k_tokens"] == pytest.approx(by_role["engine"] / 2)
   assert BS.ServerCPU(None).result(10) == {}
   gone = BS.ServerCPU(proc.pid)
   with gone:
