@@ -17,8 +17,6 @@ import asyncio
 import contextlib
 import os
 import pathlib
-import signal
-import subprocess
 import sys
 import tempfile
 
@@ -65,12 +63,7 @@ def fake_server(workers: int, streams: int, step_ms: float, tmp: pathlib.Path):
   try:
     yield port, proc.pid
   finally:
-    proc.send_signal(signal.SIGTERM)
-    try:
-      proc.wait(30)
-    except subprocess.TimeoutExpired:
-      proc.kill()
-      proc.wait()
+    FD.terminate(proc, 30)
 
 
 def one_run(port: int, pid: int, streams: int, input_len: int, output_len: int,

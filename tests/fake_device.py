@@ -374,6 +374,16 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def terminate(proc: subprocess.Popen, timeout: float = 20.0) -> None:
+  """SIGTERM, then SIGKILL if `proc` has not exited within `timeout` seconds."""
+  proc.terminate()
+  try:
+    proc.wait(timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    proc.wait()
+
+
 def process_alive(pid: int) -> bool:
   """The process exists and is not a zombie."""
   try:

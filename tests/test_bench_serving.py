@@ -197,11 +197,7 @@ def server(tmp_path, tokenizer_path):
     try:
       yield f"http://127.0.0.1:{port}/v1", fake.device.dc
     finally:
-      proc.send_signal(signal.SIGTERM)
-      try:
-        proc.wait(20)
-      except subprocess.TimeoutExpired:
-        proc.kill()
+      FD.terminate(proc)
       print(log.read_text()[-3000:])
 
 

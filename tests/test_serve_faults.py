@@ -84,12 +84,7 @@ def fake_serve(tmp: Path, tokenizer_path, args: list[str], env: dict | None = No
   finally:
     if proc.poll() is None:
       proc.send_signal(signal.SIGCONT)
-      proc.send_signal(signal.SIGTERM)
-      try:
-        proc.wait(15)
-      except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+      FD.terminate(proc, 15)
     print(f"--- serve log ---\n{log.read_text(errors='replace')[-6000:]}")
 
 
