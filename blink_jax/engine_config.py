@@ -209,7 +209,7 @@ class EngineConfig:
     if kv_pages is None and platform == "gpu":
       fraction = GPU_MEMORY_FRACTION if fraction is None else fraction
     elif kv_pages is None:
-      kv_pages = -(-max_context // self.page_size) * max_seqs
+      kv_pages = full_context_pages(max_context, self.page_size, max_seqs)
     buckets = self.buckets
     if buckets is None:
       budget = self.max_num_batched_tokens or max(256, max_seqs)
@@ -245,7 +245,7 @@ class EngineConfig:
   def _capacity(self, memory: "DeviceMemory | None") -> str:
     if None in (self.max_seqs, self.kv_pages, self.max_context):
       return ""  # not resolved: nothing chosen yet
-    worth = -(-self.max_context // self.page_size) * self.max_seqs
+    worth = full_context_pages(self.max_context, self.page_size, self.max_seqs)
     why = "max_context worth per sequence" if self.kv_pages == worth else "set by kv_pages"
     if memory is not None:
       f = self.kv_cache_memory_fraction
@@ -269,6 +269,11 @@ class DeviceMemory:
   page_bytes: int
 
 
+def full_context_pages(max_context: int, page_size: int, max_seqs: int) -> int:
+  """KV pages for max_seqs sequences of max_context tokens each: the most they can use."""
+  return -(-max_context // page_size) * max_seqs
+
+
 def _gib(n: int) -> str:
   return f"{n / 2**30:.1f} GiB"
 
@@ -287,7 +292,7 @@ def kv_pages_for_memory(*, bytes_limit: int, bytes_in_use: int, workspace_bytes:
   never be used). Raises ValueError, with the figures, when not one max_context fits."""
   m = DeviceMemory(bytes_limit, bytes_in_use, workspace_bytes, page_bytes)
   room = _room(m, fraction)
-  per_seq = -(-max_context // page_size)
+  per_seq = full_context_pages(max_context, page_size, 1)
   pages = max(room, 0) // page_bytes
   if pages < per_seq:
     raise ValueError(
@@ -297,7 +302,7 @@ def kv_pages_for_memory(*, bytes_limit: int, bytes_in_use: int, workspace_bytes:
         f"{page_bytes} bytes; one sequence of max_context={max_context} needs {per_seq} "
         f"({_gib(per_seq * page_bytes)}). Raise kv_cache_memory_fraction, lower max_context "
         "or serve a smaller model or dtype")
-  return min(pages, per_seq * max_seqs)
+  return min(pages, full_context_pages(max_context, page_size, max_seqs))
 
 
 # ---- command-line flags (absl), one per field ----

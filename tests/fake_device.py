@@ -345,6 +345,26 @@ def wait_until(pred, timeout: float = 20.0, interval: float = 0.01, what: str = 
     time.sleep(interval)
 
 
+def check_error(status, headers, body, want_status, *, code=None, param=None,
+                param_in_message=False) -> dict:
+  """Asserts an OpenAI-style error response (status, JSON body {"error": {message, type,
+  param, code}}); returns the error object. param_in_message: the message names the param."""
+  assert status == want_status, (status, body)
+  assert headers.get("Content-Type", "").startswith("application/json"), headers
+  assert isinstance(body, dict) and set(body) == {"error"}, body
+  err = body["error"]
+  assert set(err) == {"message", "type", "param", "code"}, err
+  assert isinstance(err["message"], str) and err["message"]
+  assert isinstance(err["type"], str) and err["type"]
+  if code is not None:
+    assert err["code"] == code, err
+  if param is not None:
+    assert err["param"] == param, err
+    if param_in_message:
+      assert param in err["message"], err
+  return err
+
+
 def http_request(port: int, method: str, path: str, body=None, *, headers=None,
                  api_key: str | None = None, timeout: float = 30):
   """(status, headers, parsed JSON or raw bytes) of one request on a fresh connection."""

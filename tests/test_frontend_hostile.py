@@ -161,19 +161,7 @@ def capped(device, tmp_path_factory):
   assert w.proc.returncode == 0, w.proc.returncode
 
 
-def _check_error(status, headers, body, want_status, code=None, param=None) -> dict:
-  assert status == want_status, (status, body)
-  assert headers.get("Content-Type", "").startswith("application/json"), headers
-  assert isinstance(body, dict) and set(body) == {"error"}, body
-  err = body["error"]
-  assert set(err) == {"message", "type", "param", "code"}, err
-  assert isinstance(err["message"], str) and err["message"]
-  assert isinstance(err["type"], str) and err["type"]
-  if code is not None:
-    assert err["code"] == code, err
-  if param is not None:
-    assert err["param"] == param, err
-  return err
+_check_error = FD.check_error
 
 
 def _parse_raw(raw: bytes):
@@ -341,13 +329,13 @@ def test_big_bodies_do_not_stall_health(fe):
       fe, json.dumps({"prompt": text, "max_tokens": 4}).encode())
   print(f"10 MB prompt: /health worst {worst * 1e3:.1f} ms over {n} samples")
   assert worst < 0.1, worst
-  _check_error(s, h, b, 400, "context_length_exceeded", "prompt")
+  _check_error(s, h, b, 400, code="context_length_exceeded", param="prompt")
   assert "at least" in b["error"]["message"]
   nested = json.dumps({"prompt": "hi", "user": [[1]] * 400_000}).encode()
   worst, n, (s, h, b) = _health_latency_during(fe, nested)
   print(f"{len(nested) / 1e6:.1f} MB nested: /health worst {worst * 1e3:.1f} ms over {n} samples")
   assert worst < 0.1, worst
-  _check_error(s, h, b, 400, "invalid_type", "user")
+  _check_error(s, h, b, 400, code="invalid_type", param="user")
   assert n >= 3, "the request ended before /health was sampled"
   # Past the inline size (parsed in the pool): the same answer as inline.
   padded = {"prompt": "a padded request", "max_tokens": 5, "padding": "x" * 100_000}
@@ -424,7 +412,7 @@ def test_slowloris_headers_are_cut(fe):
                                     b"X-Slow: " + b"s" * 200)
   s.close()
   assert HEADER_S * 0.8 <= took < HEADER_S + 1.0, took
-  _check_error(*_parse_raw(raw), 408, "request_timeout")
+  _check_error(*_parse_raw(raw), 408, code="request_timeout")
   s = socket.create_connection(("127.0.0.1", fe.port))
   took, raw = _until_closed(s, 5.0)
   s.close()
@@ -443,7 +431,7 @@ def test_stalled_body_gets_408(fe):
   s.close()
   assert BODY_S * 0.8 <= took < BODY_S + 1.5, took
   status, headers, body = _parse_raw(raw)
-  _check_error(status, headers, body, 408, "request_timeout")
+  _check_error(status, headers, body, 408, code="request_timeout")
   assert headers.get("Connection", "").lower() == "close"
 
 
@@ -490,7 +478,7 @@ def test_connection_cap_refuses_cleanly(capped):
   try:
     raw = _exchange(capped.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     status, headers, body = _parse_raw(raw)
-    _check_error(status, headers, body, 503, "too_many_connections")
+    _check_error(status, headers, body, 503, code="too_many_connections")
     assert headers["Connection"].lower() == "close" and headers["Retry-After"] == "1"
     live.request("GET", "/health")  # a connection already open is still served
     assert live.getresponse().status == 200
@@ -506,7 +494,7 @@ def test_connection_cap_refuses_cleanly(capped):
 
 def test_metrics_can_require_the_key(capped):
   s, h, b = capped.http("GET", "/metrics", headers={"Authorization": ""})
-  _check_error(s, h, b, 401, "invalid_api_key")
+  _check_error(s, h, b, 401, code="invalid_api_key")
   s, _, b = capped.http("GET", "/metrics")
   assert s == 200 and b"blink_frontend_requests_total" in b
   assert capped.http("GET", "/health", headers={"Authorization": ""})[0] == 200

@@ -47,6 +47,16 @@ def _serve(model, tok, tok_path: Path, tmp: Path, name: str, worker_args=(), **k
   return engine, region, proc, f"http://127.0.0.1:{port}/v1"
 
 
+def _tiny_model(tmp: Path):
+  """(model, tokenizer, its path): the tiny tokenizer and a tiny random Gemma 3 over it, of a
+  seed whose greedy text is printable."""
+  tok_path = tiny_tokenizer(tmp)
+  tok = Tokenizer(str(tok_path))
+  model = Gemma(tiny_config("gemma3", vocab_size=tok.vocab_size), dtype=jnp.float32,
+                rngs=nnx.Rngs(8))
+  return model, tok, tok_path
+
+
 def _stop(engine, region, proc):
   proc.send_signal(signal.SIGTERM)
   assert proc.wait(30) == 0
@@ -58,10 +68,7 @@ def _stop(engine, region, proc):
 @pytest.fixture(scope="module")
 def tiny_stack(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("e2e")
-  tok_path = tiny_tokenizer(tmp)
-  tok = Tokenizer(str(tok_path))
-  model = Gemma(tiny_config("gemma3", vocab_size=tok.vocab_size), dtype=jnp.float32,
-                rngs=nnx.Rngs(8))  # a seed whose greedy text is printable
+  model, tok, tok_path = _tiny_model(tmp)
   engine, region, proc, url = _serve(model, tok, tok_path, tmp, "tiny-real")
   yield model, tok, engine, openai.OpenAI(base_url=url, api_key="unused")
   _stop(engine, region, proc)

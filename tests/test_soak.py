@@ -15,16 +15,10 @@ import time
 import urllib.request
 
 import aiohttp
-import jax.numpy as jnp
 import openai
 import pytest
-from flax import nnx
 
-from blink_jax.client.tokenizer import Tokenizer
-from blink_jax.model.config import tiny_config
-from blink_jax.model.gemma import Gemma
-from tests.fake_device import tiny_tokenizer
-from tests.test_serving_e2e import _dense_greedy, _serve, _stop
+from tests.test_serving_e2e import _dense_greedy, _serve, _stop, _tiny_model
 
 REQUESTS = 1000
 CONCURRENCY = 24
@@ -43,10 +37,7 @@ BAD_BODIES = [
 @pytest.fixture(scope="module")
 def soak_stack(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("soak")
-  tok_path = tiny_tokenizer(tmp)
-  tok = Tokenizer(str(tok_path))
-  model = Gemma(tiny_config("gemma3", vocab_size=tok.vocab_size), dtype=jnp.float32,
-                rngs=nnx.Rngs(8))
+  model, tok, tok_path = _tiny_model(tmp)
   engine, region, proc, url = _serve(model, tok, tok_path, tmp, "tiny-soak", max_seqs=8,
                                      num_slots=16, worker_args=["--max-queued-requests", "64"])
   yield model, tok, engine, url

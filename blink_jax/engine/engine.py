@@ -20,7 +20,8 @@ import numpy as np
 
 from blink_jax.client import mailbox, protocol, shm
 from blink_jax.client.streaming import ChoiceDecoder, DeviceError
-from blink_jax.engine_config import DeviceMemory, EngineConfig, kv_pages_for_memory
+from blink_jax.engine_config import (DeviceMemory, EngineConfig, full_context_pages,
+                                     kv_pages_for_memory)
 from blink_jax.executor.xla_flags import configure_command_buffers
 
 log = logging.getLogger("blink_jax.engine")
@@ -204,7 +205,7 @@ class Engine:
       self._registration = host_memory.Registration(self.region.address, self.geo.total_bytes)
       mailbox_addr = self._registration.device_address
     # Without kv_pages (a GPU) the most pages sequences can use, until the memory is read.
-    pages = c.kv_pages or -(-c.max_context // c.page_size) * c.max_seqs
+    pages = c.kv_pages or full_context_pages(c.max_context, c.page_size, c.max_seqs)
     self.sched = ffi.SchedConfig.build(
         mailbox=mailbox_addr, num_slots=c.num_slots, max_prompt=self.geo.max_prompt,
         ring_capacity=c.ring_capacity, max_top_logprobs=c.max_top_logprobs,
