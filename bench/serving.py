@@ -428,6 +428,53 @@ class ServerCPU:
             "host_cpu_s_by_role": by_role, "server_processes": len(self.after)}
 
 
+# The device loop's counters that blink's /metrics exports from the mailbox header
+# (nic_frontend/metrics.py): with the output tokens they say how many model steps a token
+# costs, the figure behind the energy per token (docs/PERFORMANCE.md, "Energy").
+DEVICE_COUNTERS = ("steps", "loop_iterations", "tokens_generated", "prompt_tokens")
+
+
+def scrape_device_counters(base_url: str, headers: dict) -> dict[str, float]:
+  """blink_gpu_<counter>_total of the server's /metrics ({} for a server without them)."""
+  import urllib.request
+  from prometheus_client.parser import text_string_to_metric_families
+  url = base_url.rstrip("/").removesuffix("/v1") + "/metrics"
+  try:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as r:
+      text = r.read().decode()
+  except (OSError, ValueError):
+    return {}
+  want = {f"blink_gpu_{c}": c for c in DEVICE_COUNTERS}
+  return {want[f.name]: s.value for f in text_string_to_metric_families(text)
+          if f.name in want for s in f.samples if s.name.endswith("_total")}
+
+
+class DeviceCounters:
+  """The device loop's steps and iterations over a `with` block (blink servers only)."""
+
+  def __init__(self, base_url: str, headers: dict):
+    self.base_url, self.headers = base_url, headers
+    self.before: dict[str, float] = {}
+    self.after: dict[str, float] = {}
+
+  def __enter__(self):
+    self.before = scrape_device_counters(self.base_url, self.headers)
+    return self
+
+  def __exit__(self, *exc):
+    self.after = scrape_device_counters(self.base_url, self.headers)
+
+  def result(self, output_tokens: int) -> dict:
+    d = {k: self.after[k] - self.before[k] for k in self.after if k in self.before}
+    if "steps" not in d:
+      return {}
+    steps = d["steps"]
+    return {"device_steps": steps, "device_loop_iterations": d.get("loop_iterations"),
+            "device_steps_per_output_token": steps / output_tokens if output_tokens else None,
+            "device_tokens_per_step": (d.get("tokens_generated", 0) + d.get("prompt_tokens", 0))
+            / steps if steps else None}
+
+
 # ---- client ----------------------------------------------------------------------------------
 
 async def send_one(session, url: str, headers: dict, model: str, req: Req, rec: Record,
@@ -661,6 +708,7 @@ def main(argv):
     os.sched_setaffinity(0, set(client_cpus))
   sampler = PowerSampler(FLAGS.power_interval_ms / 1e3)
   cpu = ServerCPU(FLAGS.server_pid)
+  counters = DeviceCounters(FLAGS.base_url, headers)
   procs = C.start_interference(FLAGS.interference, set(interference_cpus), 24 * 3600) \
       if FLAGS.interference else []
   rows, per_request = [], {}
@@ -668,13 +716,14 @@ def main(argv):
     if procs:
       time.sleep(1.0)  # let the thrashers fill their buffers
     for k, rate in enumerate(rates):
-      with sampler, cpu:
+      with sampler, cpu, counters:
         recs, duration = asyncio.run(run_rate(
             FLAGS.base_url, headers, model, reqs, rate, FLAGS.seed + 1000 * (k + 1),
             FLAGS.max_concurrency, FLAGS.request_timeout_s))
       m = compute_metrics(recs, duration, FLAGS.slo_ttft_ms, FLAGS.slo_tpot_ms)
       m.update(sampler.result(m["output_tokens"]))
       m.update(cpu.result(m["output_tokens"]))
+      m.update(counters.result(m["output_tokens"]))
       rows.append({"label": FLAGS.label, "rate": "inf" if math.isinf(rate) else rate,
                    "max_concurrency": FLAGS.max_concurrency, **m})
       per_request[str(rows[-1]["rate"])] = [

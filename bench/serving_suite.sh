@@ -8,6 +8,7 @@
 #        [SERVE_ARGS="--gemv none ..." (more serve.py flags, e.g. KernelOptions')]
 #        [PEER_DIR=.carry/peer VLLM_SITE=/tmp/site VLLM_ARGS="..."]
 #        [CROSSCHECK="vllm persistent" CROSSCHECK_RATE=16] [SINGLE=1] [INTERFERENCE=1]
+#        [TAG=name (a variant: results serving_h200_<shape>_<mode>_<TAG>_<run>.json)]
 #        OUT=dir bash bench/serving_suite.sh
 # Per server also: CROSSCHECK (modes): `vllm bench serve` beside bench.serving at one rate
 # (bench/crosscheck.py, needs the vLLM install); SINGLE=1: single-stream decode, one request
@@ -66,7 +67,7 @@ gpu_free() {  # until the last server's GPU memory is back (vLLM's EngineCore ex
 for shape in $SHAPES; do
   for mode in $MODES; do
     port=$((8100 + RANDOM % 800))
-    log="$OUT/serve_${shape}_${mode}.log"
+    log="$OUT/serve_${shape}_${mode}${TAG:+_$TAG}.log"
     echo "== $(date -u +%T) serve $shape $mode on :$port"
     if [ "$mode" = vllm ]; then
       # vLLM's defaults otherwise (chunked prefill, its attention backend, CUDA graphs).
@@ -78,9 +79,10 @@ for shape in $SHAPES; do
         --port "$port" ${VLLM_ARGS:-} >"$log" 2>&1 &
       kind=vllm
     else
+      # Its defaults otherwise (256 sequences, 4,096 slots, the KV cache from the GPU's memory).
       taskset -c "$ENGINE_CPUS" python3 scripts/serve.py --ckpt "random:$shape" \
-        --tokenizer "$TOKENIZER" --mode "$mode" --port "$port" --max_seqs 64 \
-        --max_context 2048 --num_slots 128 ${SERVE_ARGS:-} >"$log" 2>&1 &
+        --tokenizer "$TOKENIZER" --mode "$mode" --port "$port" \
+        --max_context 2048 ${SERVE_ARGS:-} >"$log" 2>&1 &
       kind=blink
     fi
     srv=$! SRV=$!
@@ -92,13 +94,14 @@ for shape in $SHAPES; do
     done
     echo "== $(date -u +%T) $shape $mode healthy after $((SECONDS - t0)) s"
     grep -E "serving loop on the device|op by op|engine up|API server version" "$log" | tail -2
-    SERVER_INFO="$OUT/server_${shape}_${mode}.json"
+    SERVER_INFO="$OUT/server_${shape}_${mode}${TAG:+_$TAG}.json"
     python3 -m bench.peer server_info --kind "$kind" --log "$log" --out "$SERVER_INFO"
     for p in $(pgrep -f "nic_frontend.worker.*--port $port"); do taskset -pc $FRONT "$p" >/dev/null; done
-    bench "${shape}_${mode}_quiet" "$port" 0 "$FRONT"
-    [ "${INTERFERENCE:-1}" = 0 ] || bench "${shape}_${mode}_int${INT}" "$port" "$INT" "$FRONT"
+    run="${shape}_${mode}${TAG:+_$TAG}"
+    bench "${run}_quiet" "$port" 0 "$FRONT"
+    [ "${INTERFERENCE:-1}" = 0 ] || bench "${run}_int${INT}" "$port" "$INT" "$FRONT"
     if [ "${SINGLE:-0}" = 1 ]; then
-      RATES=inf bench "${shape}_${mode}_single" "$port" 0 "$FRONT" --num_prompts 10 \
+      RATES=inf bench "${run}_single" "$port" 0 "$FRONT" --num_prompts 10 \
         --max_concurrency 1 --input_len 1024 --output_len 256
     fi
     if [[ " $CROSSCHECK " == *" $mode "* && -d $VLLM_SITE/vllm ]]; then
@@ -110,7 +113,7 @@ for shape in $SHAPES; do
     fi
     if [[ " $UNPINNED " == *" $shape:$mode "* ]]; then
       for p in $(pgrep -f "nic_frontend.worker.*--port $port"); do taskset -pc 0-$((NCPU - 1)) "$p" >/dev/null; done
-      RATES=inf bench "${shape}_${mode}_int${INT}_unpinned" "$port" "$INT" ""
+      RATES=inf bench "${run}_int${INT}_unpinned" "$port" "$INT" ""
     fi
     kill -TERM $srv; wait $srv
     gpu_free

@@ -31,6 +31,10 @@ GPU_MAX_SEQS, CPU_MAX_SEQS = 256, 8
 # The share of a GPU's memory the weights, the step and the KV cache may take when
 # kv_cache_memory_fraction is not given: vLLM's --gpu-memory-utilization default.
 GPU_MEMORY_FRACTION = 0.9
+# Default size of the mailbox's prompt arena, in tokens (32 MiB of pinned memory): 4,096
+# prompts of 2,048 tokens in flight at once, where storage inside each slot would have cost
+# num_slots x max_context (512 MiB for 4,096 slots of a 32k context).
+ARENA_TOKENS = 1 << 23
 
 
 def _field(default: Any, help: str, **kw) -> Any:  # noqa: A002 - the flag's help
@@ -115,7 +119,14 @@ class EngineConfig:
   page_size: int = _field(16, "Tokens per KV page.")
   max_context: int | None = _field(None, "Context length served (default: the model's, at "
                                    "most 4096).")
-  num_slots: int = _field(64, "Mailbox request slots, shared out among the frontend workers.")
+  num_slots: int = _field(4096, "Mailbox request slots, shared out among the frontend "
+                          "workers: requests in flight, running or queued on the device "
+                          "(Blink's ring of 4,096).")
+  prompt_arena_tokens: int | None = _field(
+      None, "Prompt tokens the mailbox holds for the requests in flight, shared out among the "
+      "frontend workers like the slots; a worker whose share is full queues the next request "
+      "until one finishes (default: 8,388,608 (32 MiB), at most a longest prompt per slot, "
+      "at least one per worker).")
   ring_capacity: int = _field(64, "Entries of each slot's output ring.")
   max_top_logprobs: int = _field(8, "Most top logprobs a request may ask for.")
   max_num_batched_tokens: int | None = _field(
@@ -148,7 +159,8 @@ class EngineConfig:
         raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
     for name in ("page_size", "num_slots", "ring_capacity"):
       positive(name)
-    for name in ("max_seqs", "kv_pages", "max_context", "max_num_batched_tokens"):
+    for name in ("max_seqs", "kv_pages", "max_context", "max_num_batched_tokens",
+                 "prompt_arena_tokens"):
       positive(name, allow_none=True)
     f = self.kv_cache_memory_fraction
     if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float))
@@ -226,8 +238,19 @@ class EngineConfig:
     idle_poll_us = self.idle_poll_us
     if idle_poll_us is None:
       idle_poll_us = 200 if platform == "gpu" else 50_000
+    arena = self.prompt_arena_tokens
+    workers, longest = self.frontend_workers + 1, max_context - 1  # + the engine's own client
+    if arena is None:
+      arena = min(self.num_slots * longest, max(ARENA_TOKENS, workers * longest))
+    elif arena // workers < longest:
+      raise ValueError(f"prompt_arena_tokens ({arena}) must give each of the {workers} mailbox "
+                       f"clients (frontend_workers + the engine's own) room for one prompt of "
+                       f"max_context - 1 = {longest} tokens: at least {workers * longest}")
+    if arena >= 2**32:
+      raise ValueError(f"prompt_arena_tokens ({arena}) must be below 2**32")
     return dataclasses.replace(
         self, max_seqs=max_seqs, max_context=max_context, kv_pages=kv_pages,
+        prompt_arena_tokens=arena,
         kv_cache_memory_fraction=fraction, max_num_batched_tokens=buckets[-1],
         buckets=buckets, idle_poll_us=idle_poll_us,
         warm_up=(platform == "gpu") if self.warm_up is None else self.warm_up,

@@ -57,6 +57,9 @@ const char* blink_config_check(const int64_t* words) {
     snprintf(buf, sizeof buf, "num_pages=%lld cannot hold one sequence of max_context=%lld (%lld pages)",
              (long long)c.num_pages, (long long)c.max_context, (long long)c.max_pages_per_seq());
   else if (c.max_context < 2) snprintf(buf, sizeof buf, "max_context=%lld must be >= 2", (long long)c.max_context);
+  else if (c.arena_tokens < c.max_prompt || c.arena_tokens > int64_t(UINT32_MAX))
+    snprintf(buf, sizeof buf, "arena_tokens=%lld must hold one prompt of max_prompt=%lld and fit 32 bits",
+             (long long)c.arena_tokens, (long long)c.max_prompt);
   for (int i = 1; !buf[0] && i < c.num_buckets; ++i)
     if (c.bucket(i) <= c.bucket(i - 1))
       snprintf(buf, sizeof buf, "buckets must increase: bucket%d=%lld", i, (long long)c.bucket(i));
@@ -80,6 +83,7 @@ const char* blink_mailbox_layout() {
   F(BlinkMailboxHeader, "header", vocab_size) F(BlinkMailboxHeader, "header", max_context)
   F(BlinkMailboxHeader, "header", num_workers) F(BlinkMailboxHeader, "header", eos_id)
   F(BlinkMailboxHeader, "header", engine_state) F(BlinkMailboxHeader, "header", shutdown)
+  F(BlinkMailboxHeader, "header", arena_tokens)
   F(BlinkMailboxHeader, "header", doorbell) F(BlinkMailboxHeader, "header", loop_iterations)
   F(BlinkMailboxHeader, "header", steps) F(BlinkMailboxHeader, "header", tokens_generated)
   F(BlinkMailboxHeader, "header", prompt_tokens) F(BlinkMailboxHeader, "header", requests_admitted)
@@ -96,7 +100,8 @@ const char* blink_mailbox_layout() {
   F(BlinkSlotRequest, "request", max_tokens) F(BlinkSlotRequest, "request", temperature)
   F(BlinkSlotRequest, "request", top_p) F(BlinkSlotRequest, "request", top_k)
   F(BlinkSlotRequest, "request", num_logprobs) F(BlinkSlotRequest, "request", flags)
-  F(BlinkSlotRequest, "request", num_stop_ids) F(BlinkSlotRequest, "request", arrival_ns)
+  F(BlinkSlotRequest, "request", num_stop_ids) F(BlinkSlotRequest, "request", prompt_offset)
+  F(BlinkSlotRequest, "request", arrival_ns)
   F(BlinkSlotRequest, "request", stop_ids)
   F(BlinkSlotOutput, "output", started_seq) F(BlinkSlotOutput, "output", finished_seq)
   F(BlinkSlotOutput, "output", count) F(BlinkSlotOutput, "output", finish_reason)
@@ -147,12 +152,12 @@ const char* blink_counter_layout() {
   return s.c_str();
 }
 
-// Geometry-dependent offsets of `slot`: request, prompt, output, out tokens, out logprobs,
+// Geometry-dependent offsets of `slot`: request, arena, output, out tokens, out logprobs,
 // out top ids, out top logprobs, total bytes.
-void blink_geometry_offsets(const uint32_t* g4, uint32_t slot, uint64_t* out8) {
-  BlinkGeometry g{g4[0], g4[1], g4[2], g4[3]};
+void blink_geometry_offsets(const uint32_t* g5, uint32_t slot, uint64_t* out8) {
+  BlinkGeometry g{g5[0], g5[1], g5[2], g5[3], g5[4]};
   out8[0] = g.request_offset(slot);
-  out8[1] = g.prompt_offset(slot);
+  out8[1] = g.arena_offset();
   out8[2] = g.output_offset(slot);
   out8[3] = g.out_tokens_offset(slot);
   out8[4] = g.out_logprobs_offset(slot);

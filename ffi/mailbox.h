@@ -5,12 +5,20 @@
 // blink_jax/client/protocol.py (no JAX there); tests/test_protocol.py checks every offset against
 // this header through blink_mailbox_layout() in layout.cc.
 //
-// Region = MailboxHeader | Slot[0] | Slot[1] | ... ; Slot = SlotRequest (+ prompt tokens) |
+// Region = MailboxHeader | Slot[0] | Slot[1] | ... | prompt arena ; Slot = SlotRequest |
 // SlotOutput (+ output ring). Sizes depend on the geometry written into the header.
+//
+// Prompts live in the arena, int32 token ids, not in the slots: a slot's request names its
+// prompt by prompt_offset (a token index into the arena) and prompt_len, so 4,096 slots do not
+// cost 4,096 x max_context tokens of pinned memory (docs/ARCHITECTURE.md, "The prompt
+// arena"). Frontend worker w of W owns arena tokens [w*A/W, (w+1)*A/W) (A = arena_tokens), as
+// it owns slots [w*n/W, (w+1)*n/W); it keeps a request's tokens there until the request
+// finishes. The GPU reads a prompt once, when it admits the request into a lane, and checks
+// only that it lies inside the arena.
 //
 // Ownership: every field has exactly one writer.
 //   engine host code : header geometry, engine_state, shutdown
-//   frontend worker w: doorbell[w]; SlotRequest of the slots in its range
+//   frontend worker w: doorbell[w]; SlotRequest of the slots in its range; its arena range
 //   GPU (scheduler)  : header counters; SlotOutput of every slot
 // A payload is written first and published by a sequence word written last (release); the
 // reader loads the word (acquire) and only then the payload.
@@ -47,7 +55,7 @@
 #include <stdint.h>
 
 #define BLINK_MAGIC 0x31424d4b4e494c42ULL  // "BLINKMB1" little-endian
-#define BLINK_VERSION 1u
+#define BLINK_VERSION 2u
 #define BLINK_MAX_WORKERS 64
 #define BLINK_MAX_STOP_IDS 16
 #define BLINK_HEADER_BYTES 1024
@@ -89,6 +97,7 @@ enum BlinkError : uint32_t {
   BLINK_ERR_STOP_IDS = 7,       // more than BLINK_MAX_STOP_IDS or an id outside the vocabulary
   BLINK_ERR_LOGPROBS = 8,       // num_logprobs > max_top_logprobs
   BLINK_ERR_FLAGS = 9,          // unknown flag bits
+  BLINK_ERR_PROMPT_OFFSET = 10, // prompt_offset + prompt_len past the end of the arena
 };
 
 struct BlinkMailboxHeader {
@@ -110,7 +119,8 @@ struct BlinkMailboxHeader {
   // Engine control: written by the engine host code.
   uint32_t engine_state;      // BlinkEngineState
   uint32_t shutdown;          // nonzero: the device loop exits at its next iteration
-  uint8_t pad0[128 - 72];
+  uint32_t arena_tokens;      // geometry: int32 prompt tokens of the arena after the slots
+  uint8_t pad0[128 - 76];
   // Frontend doorbells: worker w increments doorbell[w] after every submit and cancel.
   uint64_t doorbell[BLINK_MAX_WORKERS];
   // Counters published by the GPU after every schedule and commit.
@@ -147,10 +157,9 @@ struct BlinkSlotRequest {
   uint32_t num_logprobs; // top-n alternatives per token (with BLINK_FLAG_LOGPROBS)
   uint32_t flags;
   uint32_t num_stop_ids;
-  uint32_t pad0;
+  uint32_t prompt_offset;  // first prompt token's index in the arena (of its worker's range)
   int64_t arrival_ns;    // frontend clock, informational
   int32_t stop_ids[BLINK_MAX_STOP_IDS];
-  // int32_t prompt[max_prompt] follows at BLINK_REQUEST_FIXED_BYTES.
 };
 
 struct BlinkSlotOutput {
@@ -187,24 +196,22 @@ static_assert(__builtin_offsetof(BlinkMailboxHeader, loop_iterations) == 640, "c
 BLINK_HD uint64_t blink_align64(uint64_t x) { return (x + 63) & ~uint64_t(63); }
 
 struct BlinkGeometry {
-  uint32_t num_slots, max_prompt, ring_capacity, max_top_logprobs;
+  uint32_t num_slots, max_prompt, ring_capacity, max_top_logprobs, arena_tokens;
 
-  BLINK_HD uint64_t request_bytes() const {
-    return blink_align64(BLINK_REQUEST_FIXED_BYTES + 4ull * max_prompt);
-  }
+  BLINK_HD uint64_t request_bytes() const { return BLINK_REQUEST_FIXED_BYTES; }
   BLINK_HD uint64_t output_bytes() const {
     return blink_align64(BLINK_OUTPUT_FIXED_BYTES +
                          uint64_t(ring_capacity) * (8ull + 8ull * max_top_logprobs));
   }
   BLINK_HD uint64_t slot_bytes() const { return request_bytes() + output_bytes(); }
-  BLINK_HD uint64_t total_bytes() const {
+  BLINK_HD uint64_t arena_offset() const {
     return BLINK_HEADER_BYTES + uint64_t(num_slots) * slot_bytes();
+  }
+  BLINK_HD uint64_t total_bytes() const {
+    return arena_offset() + blink_align64(4ull * arena_tokens);
   }
   BLINK_HD uint64_t request_offset(uint32_t slot) const {
     return BLINK_HEADER_BYTES + uint64_t(slot) * slot_bytes();
-  }
-  BLINK_HD uint64_t prompt_offset(uint32_t slot) const {
-    return request_offset(slot) + BLINK_REQUEST_FIXED_BYTES;
   }
   BLINK_HD uint64_t output_offset(uint32_t slot) const {
     return request_offset(slot) + request_bytes();

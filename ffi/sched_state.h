@@ -31,6 +31,7 @@ struct BlinkSchedConfig {
   int64_t bucket0, bucket1, bucket2, bucket3, bucket4, bucket5, bucket6, bucket7;
   int64_t eos0, eos1, eos2, eos3;  // -1 = unused
   int64_t idle_poll_us;      // how long an idle schedule polls the mailbox before returning
+  int64_t arena_tokens;      // prompt tokens of the mailbox's arena (geometry)
 
   BLINK_HD int64_t bucket(int i) const {
     const int64_t* b = &bucket0;
@@ -43,7 +44,7 @@ struct BlinkSchedConfig {
   BLINK_HD int64_t max_pages_per_seq() const { return (max_context + page_size - 1) / page_size; }
   BLINK_HD BlinkGeometry geometry() const {
     return BlinkGeometry{uint32_t(num_slots), uint32_t(max_prompt), uint32_t(ring_capacity),
-                         uint32_t(max_top_logprobs)};
+                         uint32_t(max_top_logprobs), uint32_t(arena_tokens)};
   }
 };
 
@@ -51,8 +52,8 @@ struct BlinkSchedConfig {
   "mailbox", "num_slots", "max_prompt", "ring_capacity", "max_top_logprobs", "vocab_size",    \
       "max_seqs", "max_context", "page_size", "num_pages", "token_budget", "num_buckets",      \
       "bucket0", "bucket1", "bucket2", "bucket3", "bucket4", "bucket5", "bucket6", "bucket7",  \
-      "eos0", "eos1", "eos2", "eos3", "idle_poll_us"
-#define BLINK_SCHED_CONFIG_NUM_FIELDS 25
+      "eos0", "eos1", "eos2", "eos3", "idle_poll_us", "arena_tokens"
+#define BLINK_SCHED_CONFIG_NUM_FIELDS 26
 static_assert(sizeof(BlinkSchedConfig) == 8 * BLINK_SCHED_CONFIG_NUM_FIELDS, "config fields");
 
 // Scalars of the state (int32 words after the 64-bit counters).
@@ -135,6 +136,7 @@ enum BlinkLaneField {
   L_BAD,           // prompt copy found an invalid token id
   L_TMP,
   L_PLP_DONE,      // prompt-logprob entries written (= prompt positions 1..L_PLP_DONE)
+  L_PROMPT_OFF,    // the prompt's first token in the mailbox arena (validated copy)
   L_NUM_FIELDS
 };
 

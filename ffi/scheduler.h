@@ -48,6 +48,7 @@ struct BlinkRequestCopy {
   uint32_t num_logprobs;
   uint32_t flags;
   uint32_t num_stop_ids;
+  uint32_t prompt_offset;
   uint64_t seed;
   int32_t stop_ids[BLINK_MAX_STOP_IDS];  // all of them: entries past num_stop_ids are unused
 };
@@ -214,6 +215,7 @@ struct BlinkSched {
     q.num_logprobs = blink_load<uint32_t>(r + REQ_OFF(num_logprobs));
     q.flags = blink_load<uint32_t>(r + REQ_OFF(flags));
     q.num_stop_ids = blink_load<uint32_t>(r + REQ_OFF(num_stop_ids));
+    q.prompt_offset = blink_load<uint32_t>(r + REQ_OFF(prompt_offset));
     q.seed = blink_load<uint64_t>(r + REQ_OFF(seed));
     BLINK_UNROLL
     for (int i = 0; i < BLINK_MAX_STOP_IDS; ++i)
@@ -222,12 +224,14 @@ struct BlinkSched {
   }
 
   // Validates a request copy; returns a BlinkError. A copy that passes has
-  // 1 <= prompt_len <= max_prompt, prompt_len < max_context, num_stop_ids <= BLINK_MAX_STOP_IDS
-  // and num_logprobs <= max_top_logprobs: the bounds admit and copy_prompts index with.
+  // 1 <= prompt_len <= max_prompt, prompt_len < max_context, prompt_offset + prompt_len <=
+  // arena_tokens, num_stop_ids <= BLINK_MAX_STOP_IDS and num_logprobs <= max_top_logprobs: the
+  // bounds admit and copy_prompts index with.
   BLINK_HD uint32_t validate(const BlinkRequestCopy& q) const {
     const uint32_t plen = q.prompt_len;
     if (plen == 0 || plen > uint32_t(c.max_prompt) || int64_t(plen) >= c.max_context)
       return BLINK_ERR_PROMPT_LENGTH;
+    if (uint64_t(q.prompt_offset) + plen > uint64_t(c.arena_tokens)) return BLINK_ERR_PROMPT_OFFSET;
     if (q.max_tokens == 0) return BLINK_ERR_MAX_TOKENS;
     const float t = blink_bits_to_float(q.temperature);
     if (!(t >= 0.0f && t <= 3.0e38f)) return BLINK_ERR_TEMPERATURE;  // NaN/inf fail too
@@ -286,6 +290,7 @@ struct BlinkSched {
     lane(L_PREEMPTS, l) = 0;
     lane(L_BAD, l) = 0;
     lane(L_PLP_DONE, l) = 0;
+    lane(L_PROMPT_OFF, l) = int32_t(q.prompt_offset);  // validated against the arena's end
     region(lay.order)[s(S_ORDER_COUNT)++] = l;
     region(lay.new_lanes)[s(S_NUM_ADMITTED)++] = l;
     blink_store<uint32_t>(out(slot) + OUT_OFF(prompt_len), uint32_t(plen));
@@ -589,14 +594,16 @@ struct BlinkSched {
   // Copies the prompts of newly admitted lanes into their history, checking every token id.
   // Each token is loaded once and the checked value is what the history keeps, so a writer
   // that changes the prompt meanwhile changes the request, never the check
-  // (docs/ARCHITECTURE.md, "The mailbox contract"). The length is the lane's, which admit
-  // took from the validated copy (<= max_prompt and < max_context): the loads stay inside
-  // the slot's prompt area and the stores inside lane l's history row.
+  // (docs/ARCHITECTURE.md, "The mailbox contract"). Offset and length are the lane's, which
+  // admit took from the validated copy (offset + length <= arena_tokens, length <= max_prompt
+  // and < max_context): the loads stay inside the arena and the stores inside lane l's
+  // history row.
   template <class X>
   BLINK_HD void copy_prompts(const X& x) const {
     for (int32_t k = 0; k < s(S_NUM_ADMITTED); ++k) {
       int32_t l = region(lay.new_lanes)[k];
-      const uint8_t* prompt = req(lane(L_SLOT, l)) + BLINK_REQUEST_FIXED_BYTES;
+      const uint8_t* prompt =
+          mb + geo.arena_offset() + 4ull * uint32_t(lane(L_PROMPT_OFF, l));
       int32_t* h = history + int64_t(l) * c.max_context;
       x.parallel(lane(L_PROMPT_LEN, l), [&](int64_t i) {
         int32_t t = int32_t(blink_load<uint32_t>(prompt + 4 * i));

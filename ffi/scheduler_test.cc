@@ -41,7 +41,7 @@ void blink_host_commit(const int64_t* cfg, int32_t* state, int32_t* history, int
                        const int32_t* row_top_ids, const float* row_top_lps, int64_t top_cols);
 const char* blink_state_check(const int64_t* cfg, int32_t* state, int32_t* page_table);
 void blink_state_summary(const int64_t* cfg, const int32_t* state, int64_t* out16);
-void blink_geometry_offsets(const uint32_t* g4, uint32_t slot, uint64_t* out8);
+void blink_geometry_offsets(const uint32_t* g5, uint32_t slot, uint64_t* out8);
 }
 
 namespace {
@@ -162,6 +162,7 @@ class Harness {
     c_.eos0 = p.eos;
     c_.eos1 = c_.eos2 = c_.eos3 = -1;
     c_.idle_poll_us = 0;
+    c_.arena_tokens = p.num_slots * p.max_prompt;  // slot s's prompt at s * max_prompt
     g_ = c_.geometry();
     mem_.assign(g_.total_bytes() / 8 + 8, 0);
     base_ = reinterpret_cast<uint8_t*>(mem_.data());
@@ -183,6 +184,7 @@ class Harness {
     h->vocab_size = uint32_t(c_.vocab_size);
     h->max_context = uint32_t(c_.max_context);
     h->num_workers = 1;
+    h->arena_tokens = g_.arena_tokens;
     h->eos_id = uint32_t(p.eos);
     h->engine_state = BLINK_ENGINE_READY;
 
@@ -203,7 +205,9 @@ class Harness {
   BlinkSlotRequest* request(int s) {
     return reinterpret_cast<BlinkSlotRequest*>(base_ + g_.request_offset(s));
   }
-  int32_t* prompt(int s) { return reinterpret_cast<int32_t*>(base_ + g_.prompt_offset(s)); }
+  int32_t* prompt(int s) {
+    return reinterpret_cast<int32_t*>(base_ + g_.arena_offset()) + int64_t(s) * c_.max_prompt;
+  }
   BlinkSlotOutput* output(int s) {
     return reinterpret_cast<BlinkSlotOutput*>(base_ + g_.output_offset(s));
   }
@@ -235,6 +239,7 @@ class Harness {
     r.flags = (j.ignore_eos ? BLINK_FLAG_IGNORE_EOS : 0u) |
               (j.num_logprobs ? BLINK_FLAG_LOGPROBS : 0u);
     r.num_stop_ids = uint32_t(j.stop_ids.size());
+    r.prompt_offset = uint32_t(int64_t(s) * c_.max_prompt);
     for (size_t i = 0; i < j.stop_ids.size() && i < BLINK_MAX_STOP_IDS; ++i)
       r.stop_ids[i] = j.stop_ids[i];
     size_t n = j.prompt.size() < size_t(c_.max_prompt) ? j.prompt.size() : size_t(c_.max_prompt);
@@ -661,10 +666,16 @@ void test_bad_slots() {
           },
           BLINK_ERR_LOGPROBS),
       bad(3, [](BlinkSlotRequest& r, int32_t*) { r.flags = 0x80; }, BLINK_ERR_FLAGS),
+      bad(4, [&](BlinkSlotRequest& r, int32_t*) {
+            r.prompt_offset = uint32_t(h.config().arena_tokens) - 2;  // 3 tokens: one past
+          },
+          BLINK_ERR_PROMPT_OFFSET),
+      bad(4, [](BlinkSlotRequest& r, int32_t*) { r.prompt_offset = 0xFFFFFFFFu; },
+          BLINK_ERR_PROMPT_OFFSET),
   };
   Run r = run(h, jobs);
   check_run(h, jobs, r);
-  CHECK(r.summary.errored == 12, "errored %lld", (long long)r.summary.errored);
+  CHECK(r.summary.errored == 14, "errored %lld", (long long)r.summary.errored);
 }
 
 void test_cancel() {
@@ -712,6 +723,7 @@ void test_config_checks() {
   c.bucket1 = 4;
   c.token_budget = 4;
   c.eos0 = c.eos1 = c.eos2 = c.eos3 = -1;
+  c.arena_tokens = 32;
   auto check = [](BlinkSchedConfig x) {
     return std::string(blink_config_check(reinterpret_cast<const int64_t*>(&x)));
   };
@@ -726,6 +738,7 @@ void test_config_checks() {
       {[](BlinkSchedConfig& x) { x.bucket0 = 4; }, "bucket"},
       {[](BlinkSchedConfig& x) { x.num_pages = 3; }, "num_pages"},
       {[](BlinkSchedConfig& x) { x.num_buckets = BLINK_MAX_BUCKETS + 1; }, "num_buckets"},
+      {[](BlinkSchedConfig& x) { x.arena_tokens = 7; }, "arena_tokens"},
   };
   for (const Bad& b : bad) {
     BlinkSchedConfig x = c;
@@ -734,11 +747,11 @@ void test_config_checks() {
     CHECK(msg.find(b.names) != std::string::npos, "a bad %s gave '%s'", b.names, msg.c_str());
   }
   // The library's geometry is this header's.
-  BlinkGeometry g{5, 13, 7, 3};
-  uint32_t g4[4] = {5, 13, 7, 3};
+  BlinkGeometry g{5, 13, 7, 3, 29};
+  uint32_t g5[5] = {5, 13, 7, 3, 29};
   uint64_t o[8];
-  blink_geometry_offsets(g4, 4, o);
-  CHECK(o[0] == g.request_offset(4) && o[2] == g.output_offset(4) &&
+  blink_geometry_offsets(g5, 4, o);
+  CHECK(o[0] == g.request_offset(4) && o[1] == g.arena_offset() && o[2] == g.output_offset(4) &&
             o[6] == g.out_top_logprobs_offset(4) && o[7] == g.total_bytes(),
         "geometry offsets differ");
 }

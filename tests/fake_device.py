@@ -224,9 +224,10 @@ class FakeDevice:
       rec = {k: req[k].item() for k in P.REQUEST_DTYPE.names if k != "stop_ids"}
       rec["stop_ids"] = [int(x) for x in req["stop_ids"][:int(req["num_stop_ids"])]]
       rec["slot"] = s
-      po = g.prompt_offset(s)
-      rec["prompt"] = np.frombuffer(self.region.buf[po:po + 4 * min(n, g.max_prompt)],
-                                    "<i4").tolist()
+      at = min(int(req["prompt_offset"]), g.arena_tokens)
+      po = g.arena_offset + 4 * at
+      rec["prompt"] = np.frombuffer(
+          self.region.buf[po:po + 4 * min(n, g.max_prompt, g.arena_tokens - at)], "<i4").tolist()
       self.requests.append(rec)
 
   def _loop(self) -> None:

@@ -136,7 +136,8 @@ def make_config(region: M.LocalRegion, geo: P.Geometry, **kw) -> SchedConfig:
   defaults.update(kw)
   return SchedConfig.build(mailbox=region.address, num_slots=geo.num_slots,
                            max_prompt=geo.max_prompt, ring_capacity=geo.ring_capacity,
-                           max_top_logprobs=geo.max_top_logprobs, **defaults)
+                           max_top_logprobs=geo.max_top_logprobs,
+                           arena_tokens=geo.arena_tokens, **defaults)
 
 
 def new_mailbox(geo: P.Geometry, vocab: int, max_context: int):

@@ -48,11 +48,11 @@ def test_bazel_library_mailbox_layout_matches_the_protocol_mirror(bazel_lib):
   check_mailbox_layout(F._layout(bazel_lib.blink_mailbox_layout()))
 
 
-@pytest.mark.parametrize("geo", [P.Geometry(1, 1, 1, 0), P.Geometry(7, 13, 5, 3)])
+@pytest.mark.parametrize("geo", [P.Geometry(1, 1, 1, 0), P.Geometry(7, 13, 5, 3, 29)])
 def test_bazel_library_geometry_offsets_match(bazel_lib, geo):
   for slot in (0, geo.num_slots - 1):
-    g = (ctypes.c_uint32 * 4)(geo.num_slots, geo.max_prompt, geo.ring_capacity,
-                              geo.max_top_logprobs)
+    g = (ctypes.c_uint32 * 5)(geo.num_slots, geo.max_prompt, geo.ring_capacity,
+                              geo.max_top_logprobs, geo.arena_tokens)
     out = (ctypes.c_uint64 * 8)()
     bazel_lib.blink_geometry_offsets(g, slot, out)
     assert list(out) == geometry_offsets_of(geo, slot)

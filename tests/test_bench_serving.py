@@ -231,6 +231,10 @@ def test_end_to_end_against_frontend_worker(server, tmp_path):
       assert 0 <= row[f"{key}_p50"] <= row[f"{key}_p90"] <= row[f"{key}_p99"], key
     assert row["output_throughput"] > 0
     assert "energy_per_token_j" in row and row["energy_note"]
+    # The device's counters from /metrics: concurrent requests share steps (at most one step
+    # per output token), and a step carries at least one token.
+    assert 0 < row["device_steps"] <= row["device_loop_iterations"], row
+    assert 0 < row["device_steps_per_output_token"] <= 1 and row["device_tokens_per_step"] >= 1
   for rate, reqs in doc["requests"].items():
     assert len(reqs) == 10
     lens = set()

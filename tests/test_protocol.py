@@ -36,7 +36,7 @@ def check_mailbox_layout(layout: dict) -> None:
 
 def geometry_offsets_of(geo: P.Geometry, slot: int) -> list[int]:
   """What a native library's `blink_geometry_offsets` must give for `slot` of `geo`."""
-  return [geo.request_offset(slot), geo.prompt_offset(slot), geo.output_offset(slot),
+  return [geo.request_offset(slot), geo.arena_offset, geo.output_offset(slot),
           geo.out_tokens_offset(slot), geo.out_logprobs_offset(slot),
           geo.out_top_ids_offset(slot), geo.out_top_logprobs_offset(slot), geo.total_bytes]
 
@@ -46,7 +46,8 @@ def test_fixed_struct_offsets_match_the_header():
 
 
 @pytest.mark.parametrize("geo", [P.Geometry(1, 1, 1, 0), P.Geometry(4096, 8191, 64, 20),
-                                 P.Geometry(7, 13, 5, 3)])
+                                 P.Geometry(4096, 32767, 64, 8, 1 << 23),
+                                 P.Geometry(7, 13, 5, 3, 29)])
 def test_geometry_offsets_match(geo):
   for slot in (0, 1, geo.num_slots - 1):
     assert F.geometry_offsets(geo, slot) == geometry_offsets_of(geo, slot)

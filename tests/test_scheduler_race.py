@@ -5,8 +5,8 @@ The mailbox is untrusted memory that a frontend (or anything that can write the 
 over RDMA too) may change at any moment (docs/ARCHITECTURE.md, "The mailbox contract"): the
 scheduler must read each request field once into device-private state, validate that copy and
 use only the copy. Here a writer thread rewrites everything from `prompt_len` to the end of
-the prompt of some slots (the racing slots) in a native loop, a whole request at a time with
-the GIL released, while the scheduler admits and steps them (through ctypes or XLA, which
+the request of some slots (the racing slots), and the prompt tokens in the arena that they
+name, in a native loop, a whole request at a time with the GIL released, while the scheduler admits and steps them (through ctypes or XLA, which
 release the GIL too) and well-formed requests run in the other slots.
 
 After every schedule and commit call the test checks that the device wrote nothing it may
@@ -40,7 +40,9 @@ from tests import sched_harness as H
 from tests.host_scheduler import HostScheduler
 from tests.cuda_lowering import gpus
 
-GEO = P.Geometry(num_slots=6, max_prompt=24, ring_capacity=8, max_top_logprobs=3)
+# Each worker's arena share holds 4 longest prompts: its 2 slots' never wait for room.
+GEO = P.Geometry(num_slots=6, max_prompt=24, ring_capacity=8, max_top_logprobs=3,
+                 arena_tokens=3 * 4 * 24)
 PARAMS = dict(vocab_size=64, max_seqs=4, max_context=40, page_size=4, num_pages=20,
               buckets=(8, 16), eos_ids=(1,), idle_poll_us=0)
 WORKERS = 3                  # the last worker's slots race; the others' are well-formed
@@ -58,10 +60,12 @@ G_TEMPERATURE, G_TOP_P, G_TOP_K = 0.5, 0.9, 5
 # Errors the writer's variants can cause (one per checked field).
 RACE_ERRORS = {P.Error.PROMPT_LENGTH, P.Error.TOKEN_ID, P.Error.MAX_TOKENS,
                P.Error.TEMPERATURE, P.Error.TOP_P, P.Error.TOP_K, P.Error.STOP_IDS,
-               P.Error.LOGPROBS, P.Error.FLAGS}
-# Words of a slot's request the writer rewrites: from prompt_len (word 3) to the prompt's end;
-# seq, cancel and consumed are the frontend's handshake with the device and stay its own.
+               P.Error.LOGPROBS, P.Error.FLAGS, P.Error.PROMPT_OFFSET}
+# Words of a slot's request the writer rewrites: from prompt_len (word 3) to the request's
+# end; seq, cancel and consumed are the frontend's handshake with the device and stay its own.
+# Then the max_prompt words of the racing prompt area in the arena.
 FIRST_WORD = P.REQUEST_DTYPE.fields["prompt_len"][1] // 4
+FIXED_WORDS = P.REQUEST_FIXED_BYTES // 4 - FIRST_WORD
 
 
 def _layout(cfg: F.SchedConfig) -> dict[str, int]:
@@ -78,7 +82,7 @@ def _bits(x: float) -> int:
 # ---------------------------------------------------------------- the racing writer
 
 def _encode(fields: dict, prompt: np.ndarray) -> np.ndarray:
-  """Words FIRST_WORD.. of a request: its fixed fields, then its prompt area."""
+  """Words FIRST_WORD.. of a request (FIXED_WORDS of them), then its prompt area's."""
   req = np.zeros((), P.REQUEST_DTYPE)
   for k, v in fields.items():
     if k == "stop_ids":
@@ -92,10 +96,14 @@ def _encode(fields: dict, prompt: np.ndarray) -> np.ndarray:
 
 @dataclasses.dataclass
 class Racing:
-  """The racing slots' request (G), its prompt area and the writer's variants of it."""
+  """The racing slots' request (G), its prompt area and the writer's variants of it.
+
+  Both racing slots name one prompt area in the racing worker's arena range (`offset`), past
+  the tokens its client allocates for what it submits itself (two prompts of G_PLEN)."""
   geo: P.Geometry
   cfg: F.SchedConfig
   prompt_area: np.ndarray  # max_prompt valid tokens: G's prompt is the first G_PLEN
+  offset: int              # the area's first token in the arena
   bursts: list            # each [n, words]: what one burst of the writer cycles through
 
   @classmethod
@@ -104,7 +112,10 @@ class Racing:
     mp, mc, vocab = geo.max_prompt, cfg.max_context, cfg.vocab_size
     assert mp < mc - 1, "max_prompt must be a valid prompt length here"
     area = rng.integers(2, vocab, mp).astype(np.int64)
-    g = dict(prompt_len=G_PLEN, max_tokens=G_MAX_TOKENS, temperature=G_TEMPERATURE,
+    lane = geo.worker_arena(WORKERS - 1, WORKERS)
+    offset = lane.stop - mp
+    assert offset >= lane.start + 2 * G_PLEN, "the racing worker's arena share is too small"
+    g = dict(prompt_len=G_PLEN, prompt_offset=offset, max_tokens=G_MAX_TOKENS, temperature=G_TEMPERATURE,
              top_p=G_TOP_P, top_k=G_TOP_K, num_logprobs=G_NUM_LOGPROBS,
              flags=P.FLAG_LOGPROBS, num_stop_ids=len(G_STOPS), stop_ids=list(G_STOPS))
     field_variants = [
@@ -119,6 +130,8 @@ class Racing:
         {"stop_ids": [vocab, G_STOPS[1]]}, {"stop_ids": [G_STOPS[0], -1]},
         {"num_logprobs": geo.max_top_logprobs + 1}, {"num_logprobs": 2**32 - 1},
         {"flags": P.FLAG_LOGPROBS | 0x80}, {"flags": 2**32 - 1},
+        {"prompt_offset": geo.arena_tokens - G_PLEN + 1}, {"prompt_offset": 2**32 - 1},
+        {"prompt_offset": 2**32 - G_PLEN + 1},  # wraps around in 32 bits
     ]
     prompt_variants = []
     for pos, tok in ((0, vocab), (G_PLEN - 1, -1), (2, 1000), (mp - 1, 2**31 - 1)):
@@ -133,7 +146,7 @@ class Racing:
     # ends on G: between bursts the slot holds what the frontend submitted.
     bursts = [np.stack([v, good]) for v in variants]
     bursts.append(np.stack([x for v in variants for x in (good, v)] + [good]))
-    return cls(geo, cfg, area, bursts)
+    return cls(geo, cfg, area, offset, bursts)
 
   def request(self) -> M.Request:
     return M.Request(prompt=self.prompt_area[:G_PLEN].tolist(), max_tokens=G_MAX_TOKENS,
@@ -162,26 +175,33 @@ class RacingWriter:
   fields change many times during one call.
   """
 
-  def __init__(self, buf: np.ndarray, geo: P.Geometry, slots, bursts: list,
+  def __init__(self, buf: np.ndarray, geo: P.Geometry, slots, offset: int, bursts: list,
                per_burst: int = PER_BURST):
+    # Each burst's words split in two: the request's fixed words, rewritten in every racing
+    # slot, and the prompt area's, rewritten in the arena at `offset` (one copy per burst).
     words = bursts[0].shape[1]
-    rec = np.dtype((np.void, 4 * words))
-    self._srcs = [np.ascontiguousarray(b).view(rec).reshape(-1) for b in bursts]
-    self._one = [buf[o:o + 4 * words].view(rec)
-                 for o in (geo.request_offset(s) + 4 * FIRST_WORD for s in slots)]
-    self._dst = [[np.lib.stride_tricks.as_strided(one, shape=(max(1, per_burst // len(src)),
-                                                               len(src)),
-                                                  strides=(0, 0), writeable=True)
-                  for one in self._one] for src in self._srcs]
+    parts = ((0, FIXED_WORDS, [geo.request_offset(s) + 4 * FIRST_WORD for s in slots]),
+             (FIXED_WORDS, words, [geo.arena_offset + 4 * offset]))
+    self._jobs = []  # per burst: (destination, source) pairs
+    for b in bursts:
+      jobs = []
+      for lo, hi, offsets in parts:
+        rec = np.dtype((np.void, 4 * (hi - lo)))
+        src = np.ascontiguousarray(b[:, lo:hi]).view(rec).reshape(-1)
+        for o in offsets:
+          one = buf[o:o + 4 * (hi - lo)].view(rec)
+          jobs.append((np.lib.stride_tricks.as_strided(
+              one, shape=(max(1, per_burst // len(src)), len(src)), strides=(0, 0),
+              writeable=True), src))
+      self._jobs.append(jobs)
     self.bursts = 0
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._loop, name="racing-writer", daemon=True)
 
   def _loop(self) -> None:
     while not self._stop.is_set():
-      i = self.bursts % len(self._srcs)
-      for dst in self._dst[i]:
-        np.copyto(dst, self._srcs[i])
+      for dst, src in self._jobs[self.bursts % len(self._jobs)]:
+        np.copyto(dst, src)
       self.bursts += 1
 
   def __enter__(self) -> "RacingWriter":
@@ -321,6 +341,9 @@ class Checker:
     for s in range(g.num_slots):
       if s not in self.racing_slots:
         parts.append(bytes(buf[g.request_offset(s):g.output_offset(s)]))
+    # The arena but the racing prompt area.
+    area = g.arena_offset + 4 * self.racing.offset
+    parts += [bytes(buf[g.arena_offset:area]), bytes(buf[area + 4 * g.max_prompt:g.total_bytes])]
     return parts
 
   def before_call(self) -> None:
@@ -454,13 +477,17 @@ def race(make_backend, *, seconds: float, min_racing: int, seed: int = 0,
   model = H.FakePagedModel(cfg)
   rng = random.Random(seed)
   stats = Stats()
-  nbytes = 4 * racing.bursts[0].shape[1]
-  racing_areas = lambda: [bytes(buf[o:o + nbytes]) for o in  # noqa: E731
-                          (geo.request_offset(s) + 4 * FIRST_WORD for s in racing_slots)]
+  area = geo.arena_offset + 4 * racing.offset
+  # The racing prompt area holds G's, as the writer leaves it between bursts.
+  buf[area:area + 4 * geo.max_prompt] = np.frombuffer(
+      racing.prompt_area.astype("<i4").tobytes(), np.uint8)
+  racing_areas = lambda: [bytes(buf[o:o + 4 * FIXED_WORDS]) for o in  # noqa: E731
+                          (geo.request_offset(s) + 4 * FIRST_WORD for s in racing_slots)
+                          ] + [bytes(buf[area:area + 4 * geo.max_prompt])]
   active: dict[int, tuple[M.MailboxClient, int, H.Job | None, H.JobResult]] = {}
   t0 = time.monotonic()
   try:
-    with RacingWriter(buf, geo, racing_slots, racing.bursts) as writer:
+    with RacingWriter(buf, geo, racing_slots, racing.offset, racing.bursts) as writer:
       while True:
         elapsed = time.monotonic() - t0
         assert elapsed < max_seconds, f"did not finish in {max_seconds} s: {stats}"
@@ -506,7 +533,8 @@ def race(make_backend, *, seconds: float, min_racing: int, seed: int = 0,
                 prompt=job.prompt, max_tokens=job.max_tokens, stop_ids=job.stop_ids,
                 ignore_eos=job.ignore_eos, logprobs=job.logprobs >= 0,
                 prompt_logprobs=job.prompt_logprobs, num_logprobs=max(job.logprobs, 0))
-            slot = client.submit(req)
+            # A racing request names the racing prompt area (the writer keeps it there).
+            slot = client.submit(req, None if job else {"prompt_offset": racing.offset})
             seq = client._seq[slot]
             if job is not None:
               sent[(slot, seq)] = job

@@ -7,6 +7,7 @@ x86 keeps in program order, so "payload first, sequence word last" holds); remot
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import threading
 import time
@@ -59,6 +60,7 @@ def init_header(region: Region, geo: protocol.Geometry, *, vocab_size: int, max_
   h["request_bytes"], h["output_bytes"] = geo.request_bytes, geo.output_bytes
   h["total_bytes"], h["vocab_size"], h["max_context"] = geo.total_bytes, vocab_size, max_context
   h["num_workers"], h["eos_id"] = num_workers, eos_id
+  h["arena_tokens"] = geo.arena_tokens
   h["engine_state"] = protocol.EngineState.STARTING
   region.write(0, h.tobytes())
 
@@ -73,7 +75,7 @@ def read_header(region: Region) -> np.ndarray:
 
 def geometry_of(h: np.ndarray) -> protocol.Geometry:
   return protocol.Geometry(int(h["num_slots"]), int(h["max_prompt"]), int(h["ring_capacity"]),
-                    int(h["max_top_logprobs"]))
+                           int(h["max_top_logprobs"]), int(h["arena_tokens"]))
 
 
 def _u32(x: int) -> bytes:
@@ -132,7 +134,56 @@ class Output:
 
 
 class SlotsFullError(RuntimeError):
-  """Every slot of this worker holds a request."""
+  """Every slot of this worker holds a request, or its prompt arena has no room for the
+  prompt until some request finishes: either way the request can wait for one to finish."""
+
+
+class PromptArena:
+  """First-fit allocator of one worker's range of the mailbox's prompt arena (ffi/mailbox.h).
+
+  A request's prompt tokens stay where they were written until the request finishes (the
+  device reads them when it admits the request, which may be long after the submit), so
+  allocations end in any order; free ranges are kept sorted and merged with their neighbours.
+  """
+
+  def __init__(self, tokens: range):
+    self.tokens = tokens
+    self._starts = [tokens.start] if len(tokens) else []  # free ranges, sorted by start
+    self._ends = [tokens.stop] if len(tokens) else []
+
+  @property
+  def capacity(self) -> int:
+    return len(self.tokens)
+
+  @property
+  def free_tokens(self) -> int:
+    return sum(e - s for s, e in zip(self._starts, self._ends))
+
+  def alloc(self, n: int) -> int | None:
+    """The start of `n` (>= 1) free tokens, now taken; None when no free range is that long."""
+    for i, (s, e) in enumerate(zip(self._starts, self._ends)):
+      if e - s >= n:
+        if e - s == n:
+          del self._starts[i], self._ends[i]
+        else:
+          self._starts[i] = s + n
+        return s
+    return None
+
+  def free(self, start: int, n: int) -> None:
+    end = start + n
+    i = bisect.bisect_left(self._starts, start)
+    if (i > 0 and self._ends[i - 1] > start) or (i < len(self._starts) and self._starts[i] < end):
+      raise ValueError(f"arena tokens [{start}, {end}) are already free")
+    if i > 0 and self._ends[i - 1] == start:  # merge with the range before
+      i -= 1
+      start = self._starts[i]
+      del self._starts[i], self._ends[i]
+    if i < len(self._starts) and self._starts[i] == end:  # and with the one after
+      end = self._ends[i]
+      del self._starts[i], self._ends[i]
+    self._starts.insert(i, start)
+    self._ends.insert(i, end)
 
 
 class MailboxClient:
@@ -144,6 +195,8 @@ class MailboxClient:
     self.geo = geometry_of(self.header)
     self.worker = worker
     self.slots = self.geo.worker_slots(worker, num_workers)
+    self.arena = PromptArena(self.geo.worker_arena(worker, num_workers))
+    self._prompts: dict[int, tuple[int, int]] = {}  # slot -> its request's arena tokens
     self._lock = threading.Lock()
     self._free = list(reversed(self.slots))
     self._seq: dict[int, int] = {}
@@ -210,15 +263,22 @@ class MailboxClient:
     g = self.geo
     if len(r.stop_ids) > protocol.MAX_STOP_IDS:
       raise ValueError(f"at most {protocol.MAX_STOP_IDS} stop token ids, got {len(r.stop_ids)}")
-    if len(r.prompt) > g.max_prompt:
-      raise ValueError(f"prompt of {len(r.prompt)} tokens exceeds the slot capacity "
-                       f"{g.max_prompt}")
+    n = len(r.prompt)
+    if n > min(g.max_prompt, self.arena.capacity):
+      raise ValueError(f"prompt of {n} tokens exceeds the slot capacity "
+                       f"{min(g.max_prompt, self.arena.capacity)}")
     if not self._free and self._stale:
       self.reclaim()
     with self._lock:
       if not self._free:
         raise SlotsFullError(f"all {len(self.slots)} slots of worker {self.worker} are busy")
+      at = self.arena.alloc(max(n, 1))
+      if at is None:
+        raise SlotsFullError(f"the prompt arena of worker {self.worker} has no room for "
+                             f"{n} tokens until a request finishes "
+                             f"({self.arena.free_tokens} of {self.arena.capacity} free)")
       slot = self._free.pop()
+      self._prompts[slot] = (at, max(n, 1))
       # Next sequence number after the one in the slot: normally ours; if another writer used
       # the slot meanwhile (a misconfigured second client), still never a seq whose output
       # is already there (ABA).
@@ -236,13 +296,14 @@ class MailboxClient:
                       | (protocol.FLAG_PROMPT_LOGPROBS if r.prompt_logprobs else 0)
                       | (protocol.FLAG_IGNORE_EOS if r.ignore_eos else 0))
       req["num_stop_ids"] = len(r.stop_ids)
+      req["prompt_offset"] = at
       req["arrival_ns"] = time.monotonic_ns()
       req["stop_ids"][:len(r.stop_ids)] = list(r.stop_ids)
       for k, v in (overrides or {}).items():
         req[k] = v
       req["seq"] = current  # unchanged until the payload is in place
       # Payload first (prompt, then the fixed fields), the sequence word last.
-      self.region.write(g.prompt_offset(slot),
+      self.region.write(g.arena_offset + 4 * at,
                         np.asarray(r.prompt, dtype=np.int64).astype("<i4").tobytes())
       self.region.write(g.request_offset(slot), req.tobytes())
       self.region.write(g.request_offset(slot), _u32(seq))
@@ -307,6 +368,8 @@ class MailboxClient:
     return out
 
   def release(self, slot: int) -> None:
-    """Returns a finished (and fully read) slot to this worker's free list."""
+    """Returns a finished (and fully read) slot, and its prompt's arena tokens, to this
+    worker's free lists."""
     with self._lock:
+      self.arena.free(*self._prompts.pop(slot))
       self._free.append(slot)

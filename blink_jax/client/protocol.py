@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 MAGIC = 0x31424D4B4E494C42
-VERSION = 1
+VERSION = 2
 MAX_WORKERS = 64
 MAX_STOP_IDS = 16
 HEADER_BYTES = 1024
@@ -52,6 +52,7 @@ class Error(enum.IntEnum):
   STOP_IDS = 7
   LOGPROBS = 8
   FLAGS = 9
+  PROMPT_OFFSET = 10
 
 
 ERROR_MESSAGES = {
@@ -64,21 +65,23 @@ ERROR_MESSAGES = {
     Error.STOP_IDS: "too many stop token ids or an id outside the vocabulary",
     Error.LOGPROBS: "too many logprobs requested",
     Error.FLAGS: "unknown request flags",
+    Error.PROMPT_OFFSET: "the prompt lies outside the mailbox's prompt arena",
 }
 
 HEADER_DTYPE = np.dtype({
     "names": [
         "magic", "version", "header_bytes", "num_slots", "max_prompt", "ring_capacity",
         "max_top_logprobs", "request_bytes", "output_bytes", "total_bytes", "vocab_size",
-        "max_context", "num_workers", "eos_id", "engine_state", "shutdown", "doorbell",
+        "max_context", "num_workers", "eos_id", "engine_state", "shutdown", "arena_tokens",
+        "doorbell",
         "loop_iterations", "steps", "tokens_generated", "prompt_tokens", "requests_admitted",
         "requests_finished", "requests_errored", "requests_cancelled", "preemptions",
         "pages_in_use", "pages_total", "running", "waiting", "last_step_tokens",
         "schedule_ns", "commit_ns",
     ],
-    "formats": ["<u8"] + ["<u4"] * 8 + ["<u8"] + ["<u4"] * 6 + [("<u8", (MAX_WORKERS,))]
+    "formats": ["<u8"] + ["<u4"] * 8 + ["<u8"] + ["<u4"] * 7 + [("<u8", (MAX_WORKERS,))]
                + ["<u8"] * 16,
-    "offsets": [0, 8, 12, 16, 20, 24, 28, 32, 36, 40, 48, 52, 56, 60, 64, 68, 128]
+    "offsets": [0, 8, 12, 16, 20, 24, 28, 32, 36, 40, 48, 52, 56, 60, 64, 68, 72, 128]
                + [640 + 8 * i for i in range(16)],
     "itemsize": HEADER_BYTES,
 })
@@ -86,12 +89,12 @@ HEADER_DTYPE = np.dtype({
 REQUEST_DTYPE = np.dtype({
     "names": [
         "seq", "cancel", "consumed", "prompt_len", "request_id", "seed", "max_tokens",
-        "temperature", "top_p", "top_k", "num_logprobs", "flags", "num_stop_ids", "arrival_ns",
-        "stop_ids",
+        "temperature", "top_p", "top_k", "num_logprobs", "flags", "num_stop_ids",
+        "prompt_offset", "arrival_ns", "stop_ids",
     ],
     "formats": ["<u4"] * 4 + ["<u8", "<u8", "<u4", "<f4", "<f4", "<i4", "<u4", "<u4", "<u4",
-                              "<i8", ("<i4", (MAX_STOP_IDS,))],
-    "offsets": [0, 4, 8, 12, 16, 24, 32, 36, 40, 44, 48, 52, 56, 64, 72],
+                              "<u4", "<i8", ("<i4", (MAX_STOP_IDS,))],
+    "offsets": [0, 4, 8, 12, 16, 24, 32, 36, 40, 44, 48, 52, 56, 60, 64, 72],
     "itemsize": REQUEST_FIXED_BYTES,
 })
 
@@ -129,15 +132,20 @@ def _align64(x: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:
-  """Sizes of the mailbox; every offset derives from these four numbers."""
+  """Sizes of the mailbox; every offset derives from these five numbers. `arena_tokens`, the
+  prompt arena's size, defaults to num_slots * max_prompt (room for every slot's longest
+  prompt at once)."""
   num_slots: int
   max_prompt: int
   ring_capacity: int
   max_top_logprobs: int
+  arena_tokens: int | None = None
 
-  @functools.cached_property  # read on every offset computation
-  def request_bytes(self) -> int:
-    return _align64(REQUEST_FIXED_BYTES + 4 * self.max_prompt)
+  def __post_init__(self):
+    if self.arena_tokens is None:
+      object.__setattr__(self, "arena_tokens", self.num_slots * self.max_prompt)
+
+  request_bytes = REQUEST_FIXED_BYTES  # prompts live in the arena, not in the slot
 
   @functools.cached_property  # read on every offset computation
   def output_bytes(self) -> int:
@@ -147,15 +155,17 @@ class Geometry:
   def slot_bytes(self) -> int:
     return self.request_bytes + self.output_bytes
 
+  @functools.cached_property
+  def arena_offset(self) -> int:
+    """Byte offset of the prompt arena (int32 token ids), after the last slot."""
+    return HEADER_BYTES + self.num_slots * self.slot_bytes
+
   @property
   def total_bytes(self) -> int:
-    return HEADER_BYTES + self.num_slots * self.slot_bytes
+    return self.arena_offset + _align64(4 * self.arena_tokens)
 
   def request_offset(self, slot: int) -> int:
     return HEADER_BYTES + slot * self.slot_bytes
-
-  def prompt_offset(self, slot: int) -> int:
-    return self.request_offset(slot) + REQUEST_FIXED_BYTES
 
   def output_offset(self, slot: int) -> int:
     return self.request_offset(slot) + self.request_bytes
@@ -176,4 +186,10 @@ class Geometry:
     """The slots frontend worker `worker` of `num_workers` owns (one writer per slot)."""
     lo = worker * self.num_slots // num_workers
     hi = (worker + 1) * self.num_slots // num_workers
+    return range(lo, hi)
+
+  def worker_arena(self, worker: int, num_workers: int) -> range:
+    """The arena tokens frontend worker `worker` of `num_workers` owns for its prompts."""
+    lo = worker * self.arena_tokens // num_workers
+    hi = (worker + 1) * self.arena_tokens // num_workers
     return range(lo, hi)

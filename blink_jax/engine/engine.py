@@ -180,7 +180,7 @@ class Engine:
     from blink_jax.native import host_memory
     c = self.config
     self.geo = protocol.Geometry(c.num_slots, c.max_context - 1, c.ring_capacity,
-                                 c.max_top_logprobs)
+                                 c.max_top_logprobs, c.prompt_arena_tokens)
     self.shm_name = None
     if region is None and shm_name is not None:
       region = shm.create_region(shm_name or None, self.geo.total_bytes)
@@ -211,7 +211,7 @@ class Engine:
         ring_capacity=c.ring_capacity, max_top_logprobs=c.max_top_logprobs,
         vocab_size=cfg.vocab_size, max_seqs=c.max_seqs, max_context=c.max_context,
         page_size=c.page_size, num_pages=pages, buckets=c.buckets,
-        eos_ids=self.eos_ids, idle_poll_us=c.idle_poll_us)
+        eos_ids=self.eos_ids, idle_poll_us=c.idle_poll_us, arena_tokens=self.geo.arena_tokens)
     self.executor = Executor(model, self.sched, max_top_logprobs=c.max_top_logprobs,
                              device=self.device,
                              kernels=asked.kernels)  # "auto" kept: it may fall back

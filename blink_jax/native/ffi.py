@@ -47,9 +47,12 @@ class SchedConfig:
   eos2: int = -1
   eos3: int = -1
   idle_poll_us: int = 0
+  arena_tokens: int = 0  # build(): the mailbox Geometry's default, num_slots * max_prompt
 
   @classmethod
   def build(cls, *, buckets: tuple[int, ...], eos_ids: tuple[int, ...] = (), **kw) -> "SchedConfig":
+    if not kw.get("arena_tokens"):
+      kw["arena_tokens"] = kw["num_slots"] * kw["max_prompt"]
     if not 1 <= len(buckets) <= 8:
       raise ValueError(f"between 1 and 8 token buckets, got {buckets}")
     if len(eos_ids) > 4:
@@ -193,8 +196,8 @@ def counters(state: np.ndarray) -> dict[str, int]:
 
 
 def geometry_offsets(geo, slot: int) -> list[int]:
-  g = (ctypes.c_uint32 * 4)(geo.num_slots, geo.max_prompt, geo.ring_capacity,
-                            geo.max_top_logprobs)
+  g = (ctypes.c_uint32 * 5)(geo.num_slots, geo.max_prompt, geo.ring_capacity,
+                            geo.max_top_logprobs, geo.arena_tokens)
   out = (ctypes.c_uint64 * 8)()
   library().blink_geometry_offsets(g, slot, out)
   return list(out)

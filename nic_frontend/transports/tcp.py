@@ -64,7 +64,8 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def mailbox_write_filter(buf: np.ndarray) -> Callable[[int, int], bool]:
-  """Writes a frontend may make: its doorbells and the request side of the slots.
+  """Writes a frontend may make: its doorbells, the request side of the slots and the prompt
+  arena.
 
   The header geometry, the engine's control words and every output ring belong to the engine
   and the GPU (one writer per field); the relay refuses to store there.
@@ -81,6 +82,8 @@ def mailbox_write_filter(buf: np.ndarray) -> Callable[[int, int], bool]:
       return True
     if offset < protocol.HEADER_BYTES or end > geo.total_bytes:
       return False
+    if offset >= geo.arena_offset:
+      return True
     slot = (offset - protocol.HEADER_BYTES) // geo.slot_bytes
     start = geo.request_offset(slot)
     return end <= start + geo.request_bytes
