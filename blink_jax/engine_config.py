@@ -31,6 +31,10 @@ GPU_MAX_SEQS, CPU_MAX_SEQS = 256, 8
 # The share of a GPU's memory the weights, the step and the KV cache may take when
 # kv_cache_memory_fraction is not given: vLLM's --gpu-memory-utilization default.
 GPU_MEMORY_FRACTION = 0.9
+# Tokens one step may take on a GPU when max_num_batched_tokens is not given: a burst of
+# prompts prefills 2,048 tokens a step beside the decode rows. Against 256 it served 1.08x
+# the tokens/s at saturation with 2.3x lower P99 TTFT (docs/PERFORMANCE.md, "Step budget").
+GPU_BATCHED_TOKENS = 2048
 # Default size of the mailbox's prompt arena, in tokens (32 MiB of pinned memory): 4,096
 # prompts of 2,048 tokens in flight at once, where storage inside each slot would have cost
 # num_slots x max_context (512 MiB for 4,096 slots of a 32k context).
@@ -132,7 +136,7 @@ class EngineConfig:
   max_num_batched_tokens: int | None = _field(
       None, "Tokens one step may take, like vLLM's --max-num-batched-tokens: every decoding "
       "sequence's row first, then chunks of prompts, oldest first (default: "
-      "max(256, max_seqs), or the largest of buckets).")
+      "max(2048, max_seqs) on a GPU, max(256, max_seqs) on a CPU, or the largest of buckets).")
   buckets: tuple[int, ...] | None = _field(None, "Token counts the step is compiled for, the "
                                            "largest being max_num_batched_tokens (default: "
                                            "1, 8, 64, then doubling from 256 up to "
@@ -224,7 +228,8 @@ class EngineConfig:
       kv_pages = full_context_pages(max_context, self.page_size, max_seqs)
     buckets = self.buckets
     if buckets is None:
-      budget = self.max_num_batched_tokens or max(256, max_seqs)
+      budget = self.max_num_batched_tokens or max(
+          GPU_BATCHED_TOKENS if platform == "gpu" else 256, max_seqs)
       # A CPU pays for every padded row (a GPU's small steps cost their weights' reading):
       # 16 and 32 there too, so a short prompt is not padded to 64 rows. Past 256 rows the
       # sizes double, so a step is padded to less than twice its tokens.
