@@ -263,22 +263,22 @@ class MailboxClient:
     g = self.geo
     if len(r.stop_ids) > protocol.MAX_STOP_IDS:
       raise ValueError(f"at most {protocol.MAX_STOP_IDS} stop token ids, got {len(r.stop_ids)}")
-    n = len(r.prompt)
-    if n > min(g.max_prompt, self.arena.capacity):
-      raise ValueError(f"prompt of {n} tokens exceeds the slot capacity "
-                       f"{min(g.max_prompt, self.arena.capacity)}")
+    n, longest = len(r.prompt), min(g.max_prompt, self.arena.capacity)
+    if n > longest:
+      raise ValueError(f"prompt of {n} tokens exceeds the slot capacity {longest}")
     if not self._free and self._stale:
       self.reclaim()
     with self._lock:
       if not self._free:
         raise SlotsFullError(f"all {len(self.slots)} slots of worker {self.worker} are busy")
-      at = self.arena.alloc(max(n, 1))
+      size = max(n, 1)  # an empty prompt (refused by the device) still takes a token
+      at = self.arena.alloc(size)
       if at is None:
         raise SlotsFullError(f"the prompt arena of worker {self.worker} has no room for "
                              f"{n} tokens until a request finishes "
                              f"({self.arena.free_tokens} of {self.arena.capacity} free)")
       slot = self._free.pop()
-      self._prompts[slot] = (at, max(n, 1))
+      self._prompts[slot] = (at, size)
       # Next sequence number after the one in the slot: normally ours; if another writer used
       # the slot meanwhile (a misconfigured second client), still never a seq whose output
       # is already there (ABA).

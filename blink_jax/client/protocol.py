@@ -126,6 +126,12 @@ OUTPUT_HEADER = _packed(OUTPUT_DTYPE)
 OutputHeader = NamedTuple("OutputHeader", [(name, int) for name in OUTPUT_DTYPE.names])
 
 
+def default_arena_tokens(num_slots: int, max_prompt: int) -> int:
+  """A prompt arena with room for every slot's longest prompt at once: the size of a
+  Geometry, and of a scheduler config (native.ffi.SchedConfig.build), given none."""
+  return num_slots * max_prompt
+
+
 def _align64(x: int) -> int:
   return (x + 63) & ~63
 
@@ -133,8 +139,7 @@ def _align64(x: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class Geometry:
   """Sizes of the mailbox; every offset derives from these five numbers. `arena_tokens`, the
-  prompt arena's size, defaults to num_slots * max_prompt (room for every slot's longest
-  prompt at once)."""
+  prompt arena's size, defaults to `default_arena_tokens`."""
   num_slots: int
   max_prompt: int
   ring_capacity: int
@@ -143,7 +148,8 @@ class Geometry:
 
   def __post_init__(self):
     if self.arena_tokens is None:
-      object.__setattr__(self, "arena_tokens", self.num_slots * self.max_prompt)
+      object.__setattr__(self, "arena_tokens",
+                         default_arena_tokens(self.num_slots, self.max_prompt))
 
   request_bytes = REQUEST_FIXED_BYTES  # prompts live in the arena, not in the slot
 

@@ -13,6 +13,8 @@ import pathlib
 
 import numpy as np
 
+from blink_jax.client import protocol
+
 _LIB_DIR = pathlib.Path(__file__).resolve().parents[1] / "_lib"  # CMakeLists.txt installs there
 
 _i64p = ctypes.POINTER(ctypes.c_int64)
@@ -47,12 +49,12 @@ class SchedConfig:
   eos2: int = -1
   eos3: int = -1
   idle_poll_us: int = 0
-  arena_tokens: int = 0  # build(): the mailbox Geometry's default, num_slots * max_prompt
+  arena_tokens: int = 0  # build(): the mailbox Geometry's default
 
   @classmethod
   def build(cls, *, buckets: tuple[int, ...], eos_ids: tuple[int, ...] = (), **kw) -> "SchedConfig":
     if not kw.get("arena_tokens"):
-      kw["arena_tokens"] = kw["num_slots"] * kw["max_prompt"]
+      kw["arena_tokens"] = protocol.default_arena_tokens(kw["num_slots"], kw["max_prompt"])
     if not 1 <= len(buckets) <= 8:
       raise ValueError(f"between 1 and 8 token buckets, got {buckets}")
     if len(eos_ids) > 4:
