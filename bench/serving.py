@@ -81,6 +81,9 @@ def define_flags() -> None:
                     "in the plots (one, e.g. p99, keeps a many-configuration plot legible)")
   flags.DEFINE_float("request_timeout_s", 1800.0, "per-request timeout")
   flags.DEFINE_float("power_interval_ms", 50.0, "NVML power sampling interval")
+  flags.DEFINE_float("idle_power_s", 3.0, "seconds of NVML power sampled with the server "
+                     "idle before the first rate (idle_power_w: what the server draws with no "
+                     "request; 0: skip)")
 
 # ShareGPT v3 (vicuna, unfiltered) token lengths, first human / first gpt turn: lognormal fits.
 SHAREGPT_INPUT_MEAN, SHAREGPT_INPUT_SIGMA = 1019.0, 1.0
@@ -712,9 +715,14 @@ def main(argv):
   procs = C.start_interference(FLAGS.interference, set(interference_cpus), 24 * 3600) \
       if FLAGS.interference else []
   rows, per_request = [], {}
+  idle = {}
   try:
     if procs:
       time.sleep(1.0)  # let the thrashers fill their buffers
+    if FLAGS.idle_power_s > 0 and sampler.handles:  # no NVML: nothing to sample
+      with sampler:
+        time.sleep(FLAGS.idle_power_s)
+      idle = sampler.result(0)
     for k, rate in enumerate(rates):
       with sampler, cpu, counters:
         recs, duration = asyncio.run(run_rate(
@@ -744,7 +752,8 @@ def main(argv):
            "frontend_cpus": frontend_cpus or None, "client_cpus": client_cpus or None,
            "interference_cpus": (interference_cpus if frontend_cpus else "all")
            if FLAGS.interference else None,
-           "energy_note": sampler.reason, "requests": per_request}
+           "energy_note": sampler.reason, "idle_power_w": idle.get("avg_power_w"),
+           "requests": per_request}
   if FLAGS.server_info:
     extra["server_info"] = json.loads(pathlib.Path(FLAGS.server_info).read_text())
   out = FLAGS.out or f"bench/results/serving_{FLAGS.label}.json"

@@ -148,6 +148,11 @@ class EngineConfig:
   idle_poll_us: int | None = _field(None, "How long an idle schedule polls the mailbox for "
                                     "work before the loop goes round (default: 200 on a GPU; "
                                     "50000 on a CPU, where each round wakes XLA's threads).")
+  min_step_interval_us: int = _field(
+      0, "Step pacing: a decode-only step with nothing waiting starts at least this long "
+      "after the previous step started (a new request or a cancel ends the wait), trading "
+      "time per output token for fewer passes over the weights and an idle GPU in between "
+      "(docs/PERFORMANCE.md, \"Energy\"); 0: steps back to back.")
   frontend_workers: int = _field(0, "Frontend worker processes that share the mailbox "
                                  "(slot ranges 0..N-1; the engine's own generate() is N).")
   warm_up: bool | None = _field(None, "Serve a workload that takes every bucket branch "
@@ -179,6 +184,9 @@ class EngineConfig:
       raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
     if (self.idle_poll_us is not None and self.idle_poll_us < 0) or self.frontend_workers < 0:
       raise ValueError("idle_poll_us and frontend_workers must be >= 0")
+    m = self.min_step_interval_us
+    if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= 1_000_000:
+      raise ValueError(f"min_step_interval_us must be an integer in [0, 1000000], got {m!r}")
     if self.buckets is not None:
       b = tuple(self.buckets)
       if not b or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in b) \

@@ -60,6 +60,9 @@ const char* blink_config_check(const int64_t* words) {
   else if (c.arena_tokens < c.max_prompt || c.arena_tokens > int64_t(UINT32_MAX))
     snprintf(buf, sizeof buf, "arena_tokens=%lld must hold one prompt of max_prompt=%lld and fit 32 bits",
              (long long)c.arena_tokens, (long long)c.max_prompt);
+  else if (c.min_step_interval_us < 0 || c.min_step_interval_us > 1000000)
+    snprintf(buf, sizeof buf, "min_step_interval_us=%lld must be in [0, 1000000]",
+             (long long)c.min_step_interval_us);
   for (int i = 1; !buf[0] && i < c.num_buckets; ++i)
     if (c.bucket(i) <= c.bucket(i - 1))
       snprintf(buf, sizeof buf, "buckets must increase: bucket%d=%lld", i, (long long)c.bucket(i));
@@ -145,9 +148,11 @@ const char* blink_counter_layout() {
   char b[256];
   snprintf(b, sizeof b,
            "loop_iterations=%d;steps=%d;schedule_ns=%d;commit_ns=%d;sched_poll_ns=%d;"
-           "sched_decode_ns=%d;sched_admit_ns=%d;sched_batch_ns=%d;num_counters=%d;",
+           "sched_decode_ns=%d;sched_admit_ns=%d;sched_batch_ns=%d;paced_steps=%d;"
+           "paced_ns=%d;num_counters=%d;",
            C_LOOP_ITERATIONS, C_STEPS, C_SCHEDULE_NS, C_COMMIT_NS, C_SCHED_POLL_NS,
-           C_SCHED_DECODE_NS, C_SCHED_ADMIT_NS, C_SCHED_BATCH_NS, C_NUM_COUNTERS);
+           C_SCHED_DECODE_NS, C_SCHED_ADMIT_NS, C_SCHED_BATCH_NS, C_PACED_STEPS, C_PACED_NS,
+           C_NUM_COUNTERS);
   s = b;
   return s.c_str();
 }

@@ -116,6 +116,10 @@ struct HostExec {
     const uint32_t doublings = (attempt - 64) / 2;
     std::this_thread::sleep_for(std::chrono::microseconds(doublings >= 10 ? 1000 : 1u << doublings));
   }
+  // A paced wait's sleep: at most 200 us at a time, so that a doorbell is seen soon.
+  static void pause_ns(uint64_t ns) {
+    std::this_thread::sleep_for(std::chrono::nanoseconds(ns < 200000 ? ns : 200000));
+  }
 };
 
 #ifdef __CUDACC__
@@ -206,5 +210,8 @@ struct DeviceExec {
   __device__ static void backoff(uint32_t attempt) {
     __nanosleep(attempt < 64 ? 100 : 1000);
   }
+  // A paced wait's sleep: at most 2 us at a time between doorbell reads (one thread, the
+  // rest of the block waits at a barrier; the other SMs are idle).
+  __device__ static void pause_ns(uint64_t ns) { __nanosleep(ns < 2000 ? uint32_t(ns) : 2000u); }
 };
 #endif

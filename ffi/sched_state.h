@@ -32,6 +32,7 @@ struct BlinkSchedConfig {
   int64_t eos0, eos1, eos2, eos3;  // -1 = unused
   int64_t idle_poll_us;      // how long an idle schedule polls the mailbox before returning
   int64_t arena_tokens;      // prompt tokens of the mailbox's arena (geometry)
+  int64_t min_step_interval_us;  // step pacing: 0 = steps back to back (see BlinkSched::pace)
 
   BLINK_HD int64_t bucket(int i) const {
     const int64_t* b = &bucket0;
@@ -52,8 +53,9 @@ struct BlinkSchedConfig {
   "mailbox", "num_slots", "max_prompt", "ring_capacity", "max_top_logprobs", "vocab_size",    \
       "max_seqs", "max_context", "page_size", "num_pages", "token_budget", "num_buckets",      \
       "bucket0", "bucket1", "bucket2", "bucket3", "bucket4", "bucket5", "bucket6", "bucket7",  \
-      "eos0", "eos1", "eos2", "eos3", "idle_poll_us", "arena_tokens"
-#define BLINK_SCHED_CONFIG_NUM_FIELDS 26
+      "eos0", "eos1", "eos2", "eos3", "idle_poll_us", "arena_tokens",          \
+      "min_step_interval_us"
+#define BLINK_SCHED_CONFIG_NUM_FIELDS 27
 static_assert(sizeof(BlinkSchedConfig) == 8 * BLINK_SCHED_CONFIG_NUM_FIELDS, "config fields");
 
 // Scalars of the state (int32 words after the 64-bit counters).
@@ -80,6 +82,10 @@ enum BlinkScalar {
   S_DOORBELL_NOW,     // doorbell sum read this step
   S_RESCAN,           // a busy slot was republished: scan again at the next step
   S_ANY_TARGET,       // some row of this step reports a prompt logprob
+  S_PACE,             // pacing on, the last batch was decode only and nothing waited
+  S_PACE_WAITED,      // this schedule call waited for its pacing interval
+  S_PACE_T_LO,        // clock (ns) at the start of the last step, when pacing is on
+  S_PACE_T_HI,
   S_NUM_SCALARS = 32
 };
 
@@ -102,7 +108,9 @@ enum BlinkCounter {
   C_SCHED_DECODE_NS,  // one row per decode-ready lane
   C_SCHED_ADMIT_NS,   // prefill chunks, admission, prompt copies, the batch's header
   C_SCHED_BATCH_NS,   // the batch's token and sample arrays, counters, idle polling
-  C_NUM_COUNTERS = 16
+  C_PACED_STEPS,      // steps that waited for their pacing interval (min_step_interval_us)
+  C_PACED_NS,         // time those waits took (clock of the executing side)
+  C_NUM_COUNTERS = 18
 };
 
 // Per-lane fields, each an int32 array of max_seqs.

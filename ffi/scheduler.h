@@ -354,12 +354,15 @@ struct BlinkSched {
       (void)mark;
 #endif
     };
+    if (c.min_step_interval_us > 0) x.serial([&] { pace(); });
+    // A paced wait makes the early poll words stale: the first pass then polls afresh.
+    const bool fresh_poll = c.min_step_interval_us > 0 && s(S_PACE_WAITED) != 0;
     for (int pass = 0; pass < 2; ++pass) {
       phase_done(-1);
-      if (pass == 0)
+      if (pass == 0 && !fresh_poll)
         begin_pass(x, true, first_poll);
       else
-        begin_pass(x, false, [&](int64_t w) { return poll_word(w); });
+        begin_pass(x, pass == 0, [&](int64_t w) { return poll_word(w); });
       if (s(S_SCAN)) scan_slots(x);
       check_lanes(x);
       if (s(S_ANY_FINISH)) release_finished(x);
@@ -724,18 +727,56 @@ struct BlinkSched {
     blink_store<uint64_t>(&h->commit_ns, counter(C_COMMIT_NS));
   }
 
+  // The doorbells of the attached workers summed (uint32 wrap, as begin_pass sums them).
+  BLINK_HD uint32_t doorbell_total() const {
+    uint32_t nw = blink_load<uint32_t>(&hdr()->num_workers);
+    const int64_t workers = nw == 0 || nw > BLINK_MAX_WORKERS ? BLINK_MAX_WORKERS : nw;
+    uint32_t total = 0;
+    for (int64_t w = 0; w < workers; ++w) total += uint32_t(blink_load<uint64_t>(&hdr()->doorbell[w]));
+    return total;
+  }
+
+  // Step pacing (docs/ARCHITECTURE.md, "Step pacing"), run by the leader before the first
+  // pass when min_step_interval_us is set: a step that follows a decode-only step with nothing
+  // waiting starts no sooner than min_step_interval_us after the previous step started, so a
+  // light load batches more sequences per pass over the weights and the GPU idles in between.
+  // A moved doorbell (a new request, a cancel) or shutdown ends the wait at once.
+  BLINK_HD void pace() const {
+    uint64_t now = X_now_ns();
+    s(S_PACE_WAITED) = 0;
+    if (s(S_PACE)) {
+      const uint64_t last = uint64_t(uint32_t(s(S_PACE_T_LO))) | uint64_t(uint32_t(s(S_PACE_T_HI))) << 32;
+      const uint64_t until = last + uint64_t(c.min_step_interval_us) * 1000;
+      const uint64_t start = now;
+      while (now < until && doorbell_total() == uint32_t(counter(C_DOORBELL_SEEN)) &&
+             blink_load<uint32_t>(&hdr()->shutdown) == 0) {
+        X_pause_ns(until - now);
+        now = X_now_ns();
+        s(S_PACE_WAITED) = 1;
+      }
+      if (s(S_PACE_WAITED)) {
+        counter(C_PACED_STEPS)++;
+        counter(C_PACED_NS) += now - start;
+#ifdef __CUDA_ARCH__
+        counter(C_SCHEDULE_NS) -= now - start;  // the kernel's timer counts scheduling work only
+#endif
+      }
+    }
+    s(S_PACE_T_LO) = int32_t(uint32_t(now));
+    s(S_PACE_T_HI) = int32_t(uint32_t(now >> 32));
+  }
+
   // With nothing to run, polls the doorbells for up to idle_poll_us before returning an empty
   // step; new work found there triggers a second pass of the schedule.
   BLINK_HD void publish_and_idle() const {
     publish_counters();
+    if (c.min_step_interval_us > 0)
+      s(S_PACE) = s(S_NUM_ROWS) > 0 && s(S_PROMPT_ROWS) == 0 && s(S_NUM_ADMITTED) == 0 &&
+                  s(S_Q_TAIL) == s(S_Q_HEAD) && !s(S_SHUTDOWN);
     if (s(S_NUM_ROWS) > 0 || s(S_SHUTDOWN) || s(S_ANY_FINISH) || c.idle_poll_us <= 0) return;
-    uint32_t nw = blink_load<uint32_t>(&hdr()->num_workers);
-    const int64_t workers = nw == 0 || nw > BLINK_MAX_WORKERS ? BLINK_MAX_WORKERS : nw;
     uint64_t start = X_now_ns();
     for (uint32_t attempt = 0;; ++attempt) {
-      uint32_t total = 0;
-      for (int64_t w = 0; w < workers; ++w)
-        total += uint32_t(blink_load<uint64_t>(&hdr()->doorbell[w]));
+      const uint32_t total = doorbell_total();
       if (total != uint32_t(s(S_DOORBELL_NOW))) {
         s(S_IDLE_RETRY) = 1;
         return;
@@ -758,6 +799,13 @@ struct BlinkSched {
     DeviceExec::backoff(attempt);
 #else
     HostExec::backoff(attempt);
+#endif
+  }
+  BLINK_HD static void X_pause_ns(uint64_t ns) {
+#ifdef __CUDA_ARCH__
+    DeviceExec::pause_ns(ns);
+#else
+    HostExec::pause_ns(ns);
 #endif
   }
 

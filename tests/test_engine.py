@@ -319,6 +319,23 @@ def test_host_mode_equals_persistent(model, dense):
     assert [o.token_ids for o in outs] == [dense(p, 6) for p in prompts]
 
 
+@pytest.mark.parametrize("mode", ["persistent", "host"])
+def test_step_pacing_keeps_the_greedy_outputs(model, dense, mode):
+  """A paced loop (min_step_interval_us) only delays decode steps: same tokens, and its
+  decode steps are at least the interval apart (unpaced, this tiny model's five steps take a
+  few ms)."""
+  with Engine(model, None, mode=mode, min_step_interval_us=150_000, **ENGINE_KW) as eng:
+    prompts = [[3, 4, 5], [6] * 20]
+    outs = eng.generate(prompt_token_ids=prompts,
+                        sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [dense(p, 6) for p in prompts]
+    t0 = time.monotonic()
+    eng.generate(prompt_token_ids=[7, 8], sampling=SamplingParams(max_tokens=5,
+                                                                  ignore_eos=True))
+    # 1 prefill step + 4 decode steps, the last 3 of them paced: at least 450 ms.
+    assert time.monotonic() - t0 >= 0.45
+
+
 def test_shutdown_leaves_no_thread_and_rejects_requests(model):
   before = {t.name for t in threading.enumerate()}
   eng = Engine(model, None, **ENGINE_KW)

@@ -62,7 +62,8 @@ def test_named_counters_read_from_the_state():
         step_hook=lambda step, sched: seen.append(F.counters(sched.state)))
   first, last = seen[0], seen[-1]
   assert set(first) == {"loop_iterations", "steps", "schedule_ns", "commit_ns",
-                        "sched_poll_ns", "sched_decode_ns", "sched_admit_ns", "sched_batch_ns"}
+                        "sched_poll_ns", "sched_decode_ns", "sched_admit_ns", "sched_batch_ns",
+                        "paced_steps", "paced_ns"}
   assert 0 < first["loop_iterations"] < last["loop_iterations"]
   assert 0 < last["steps"] <= last["loop_iterations"]
   assert all(last[k] == 0 for k in last if k.endswith("_ns"))

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from blink_jax.client import protocol as P
+from blink_jax.native import ffi as F
 from tests import sched_harness as H
+from tests.host_scheduler import HostScheduler
 from tests.xla_scheduler import XlaScheduler
 from tests.cuda_lowering import gpus
 
@@ -45,18 +47,22 @@ def _workload(seed: int):
   return geo, params, _random_jobs(rng, params["vocab_size"], params["max_context"], 12)
 
 
-def _run_both(device: jax.Device, seed: int):
+def _run_both(device: jax.Device, seed: int, pace_us: int = 0):
+  """`pace_us`: step pacing on (ARCHITECTURE.md, "Step pacing"): it only delays steps, so
+  the outputs and batches still equal the host run's, and some steps must have waited."""
   geo, params, jobs = _workload(seed)
-  results = []
+  params["min_step_interval_us"] = pace_us
+  results, paced = [], []
   for backend in ("host", "xla"):
     region = H.new_mailbox(geo, params["vocab_size"], params["max_context"])
     cfg = H.make_config(region, geo, **params)
-    sched = None if backend == "host" else XlaScheduler(cfg, device, region)
+    sched = HostScheduler(cfg) if backend == "host" else XlaScheduler(cfg, device, region)
     try:
       res = H.run(jobs, cfg, region, backend=sched, consume_prob=0.7, seed=seed,
                   check_every_step=backend == "host")
+      paced.append(F.counters(np.asarray(sched.state))["paced_steps"])
     finally:
-      if sched is not None:
+      if isinstance(sched, XlaScheduler):
         sched.close()
     H.check_run(jobs, res, cfg)
     results.append(res)
@@ -68,11 +74,16 @@ def _run_both(device: jax.Device, seed: int):
   assert len(host.trace) == len(xla.trace)
   for x, y in zip(host.trace, xla.trace):
     np.testing.assert_array_equal(x, y)
+  assert all(paced) if pace_us else not any(paced), paced
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_cpu_handlers_match_host_run(seed):
   _run_both(jax.devices("cpu")[0], seed)
+
+
+def test_cpu_handlers_match_host_run_with_step_pacing():
+  _run_both(jax.devices("cpu")[0], 1, pace_us=2000)
 
 
 
@@ -81,3 +92,9 @@ def test_cpu_handlers_match_host_run(seed):
 @pytest.mark.parametrize("seed", range(8))
 def test_cuda_handlers_match_host_run(seed):
   _run_both(gpus()[0], seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpus(), reason="no CUDA GPU")
+def test_cuda_handlers_match_host_run_with_step_pacing():
+  _run_both(gpus()[0], 1, pace_us=2000)

@@ -211,7 +211,8 @@ class Engine:
         ring_capacity=c.ring_capacity, max_top_logprobs=c.max_top_logprobs,
         vocab_size=cfg.vocab_size, max_seqs=c.max_seqs, max_context=c.max_context,
         page_size=c.page_size, num_pages=pages, buckets=c.buckets,
-        eos_ids=self.eos_ids, idle_poll_us=c.idle_poll_us, arena_tokens=self.geo.arena_tokens)
+        eos_ids=self.eos_ids, idle_poll_us=c.idle_poll_us, arena_tokens=self.geo.arena_tokens,
+        min_step_interval_us=c.min_step_interval_us)
     self.executor = Executor(model, self.sched, max_top_logprobs=c.max_top_logprobs,
                              device=self.device,
                              kernels=asked.kernels)  # "auto" kept: it may fall back

@@ -50,6 +50,7 @@ class SchedConfig:
   eos3: int = -1
   idle_poll_us: int = 0
   arena_tokens: int = 0  # build(): the mailbox Geometry's default
+  min_step_interval_us: int = 0  # step pacing, off
 
   @classmethod
   def build(cls, *, buckets: tuple[int, ...], eos_ids: tuple[int, ...] = (), **kw) -> "SchedConfig":

@@ -1,0 +1,111 @@
+"""Step pacing (min_step_interval_us) on the host build of ffi/scheduler.h: a decode-only step
+with nothing waiting starts no sooner than the interval after the previous step; a new
+request or a cancel ends the wait at once (docs/ARCHITECTURE.md, "Step pacing")."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from blink_jax import EngineConfig
+from blink_jax.client import mailbox as M
+from blink_jax.client import protocol as P
+from blink_jax.native import batch as B
+from blink_jax.native import ffi as F
+from tests import sched_harness as H
+from tests.host_scheduler import HostScheduler
+
+GEO = P.Geometry(num_slots=8, max_prompt=40, ring_capacity=8, max_top_logprobs=3)
+
+
+def _setup(**kw):
+  region = H.new_mailbox(GEO, 64, 48)
+  return region, H.make_config(region, GEO, **kw)
+
+
+def test_paced_decode_steps_keep_the_interval_and_the_outputs():
+  interval_us = 50_000
+  region, cfg = _setup(min_step_interval_us=interval_us)
+  jobs = [H.Job(0, [5, 6, 7, 8, 9], max_tokens=6, ignore_eos=True),
+          H.Job(0, [9, 8, 7], max_tokens=6, ignore_eos=True)]
+  stamps, rows = [], []
+
+  def hook(step, sched):
+    out = np.frombuffer(region.read(GEO.output_offset(0), P.OUTPUT_FIXED_BYTES),
+                        P.OUTPUT_DTYPE)[0]
+    stamps.append((int(out["count"]), int(out["token_ns"])))
+    rows.append((int(sched.batch[B.NUM_ROWS]), int(sched.batch[B.NUM_DECODE])))
+
+  res = H.run(jobs, cfg, region, step_hook=hook)
+  H.check_run(jobs, res, cfg)  # every token as the unpaced oracle's
+  # Step 0 prefills both prompts, step 1 is the first decode-only step (after a prefill: not
+  # paced), steps 2-5 follow decode-only steps with nothing waiting: paced.
+  assert rows == [(8, 0)] + [(2, 2)] * 5
+  ns = [t for c, t in stamps if c > 0]
+  gaps = np.diff(ns) / 1e3
+  assert len(gaps) == 5
+  assert gaps[0] < interval_us  # the first decode step is not held back
+  assert (gaps[1:] >= 0.8 * interval_us).all(), gaps  # commit-to-commit, jitter allowed
+
+
+def _decoding_scheduler(interval_us: int):
+  """A scheduler one request into its decode, its next step paced; and the frontend's client."""
+  region, cfg = _setup(min_step_interval_us=interval_us)
+  sched, client, model = HostScheduler(cfg), M.MailboxClient(region), H.FakePagedModel(cfg)
+  slot = client.submit(M.Request(prompt=[5, 6, 7], max_tokens=40, ignore_eos=True))
+
+  def step():
+    words = np.array(sched.schedule())
+    sched.commit(*model.step(words, np.asarray(sched.page_table)))
+    return words
+
+  step()  # prefill
+  step()  # the first decode step: not paced, arms the pacing of the next
+  return sched, client, slot, step
+
+
+@pytest.mark.parametrize("event", ["submit", "cancel"])
+def test_a_doorbell_ends_the_paced_wait(event):
+  sched, client, slot, step = _decoding_scheduler(1_000_000)  # a 1 s interval
+  before = F.counters(sched.state)
+  new_prompt = [11, 12, 13, 14, 15, 16]
+
+  def frontend():
+    time.sleep(0.1)
+    if event == "submit":
+      client.submit(M.Request(prompt=new_prompt, max_tokens=2))
+    else:
+      client.cancel(slot)
+
+  th = threading.Thread(target=frontend)
+  t0 = time.monotonic()
+  th.start()
+  words = step()
+  elapsed = time.monotonic() - t0
+  th.join()
+  assert 0.1 <= elapsed < 0.8, elapsed  # woken by the doorbell, not by the 1 s interval
+  after = F.counters(sched.state)
+  assert after["paced_steps"] == before["paced_steps"] + 1
+  assert 0.09e9 <= after["paced_ns"] - before["paced_ns"] < 0.8e9
+  if event == "submit":  # the new prompt joins this very step, beside the decode row
+    assert (int(words[B.NUM_ROWS]), int(words[B.NUM_DECODE])) == (1 + len(new_prompt), 1)
+  else:  # the cancel is seen in this step: the request finishes, nothing runs
+    assert client.poll(slot).finish_reason == P.Finish.CANCELLED
+
+
+def test_pacing_off_never_waits():
+  sched, client, slot, step = _decoding_scheduler(0)
+  for _ in range(5):
+    step()
+  c = F.counters(sched.state)
+  assert (c["paced_steps"], c["paced_ns"]) == (0, 0)
+
+
+def test_pacing_bounds_are_checked():
+  with pytest.raises(ValueError, match=r"min_step_interval_us=1000001 must be in \[0, 1000000\]"):
+    _setup(min_step_interval_us=1_000_001)
+  with pytest.raises(ValueError, match="min_step_interval_us must be an integer"):
+    EngineConfig(min_step_interval_us=-5)
+  assert EngineConfig().min_step_interval_us == 0  # off by default: latency first
