@@ -47,7 +47,10 @@ flags.DEFINE_string("host", "127.0.0.1", "Address the HTTP server binds (0.0.0.0
 flags.DEFINE_integer("port", 8000, "HTTP port, shared by every worker.")
 flags.DEFINE_enum("transport", "shm", ["shm", "tcp"],
                   "How the frontend workers reach the mailbox.")
-flags.DEFINE_integer("workers", 1, "Frontend worker processes.")
+flags.DEFINE_integer("workers", None, "Frontend worker processes (default: 2, which keep up "
+                     "with the 1B shape's saturation on an H200 where one does not, "
+                     "docs/PERFORMANCE.md \"Frontend workers\"; 1 with --port 0, since the "
+                     "workers share one port).")
 flags.DEFINE_string("api_key", None, "Require 'Authorization: Bearer KEY' on /v1 (visible "
                     "to every user in ps: prefer --api_key_file or $BLINK_API_KEY).")
 flags.DEFINE_string("api_key_file", None, "A file holding the API key (default: "
@@ -76,13 +79,23 @@ THIRD_PARTY_LOGGERS = ("absl", "jax", "orbax", "etils", "flax", "aiohttp")
 MAX_FRONTEND_WORKERS = protocol.MAX_WORKERS - 1
 
 
+DEFAULT_WORKERS = 2
+
+
+def workers() -> int:
+  """--workers, or its default: 2, or 1 with --port 0 (any free port: workers share one)."""
+  if FLAGS.workers is not None:
+    return FLAGS.workers
+  return 1 if FLAGS.port == 0 else DEFAULT_WORKERS
+
+
 def engine_config_from_flags() -> engine_config.EngineConfig:
   """The engine's config: one flag per field; the mailbox shared out among --workers frontend
   workers plus the engine's own client (its generate(), which the warm-up uses), each with
   --num_slots // --workers slots."""
   config = engine_config.from_flags()
-  return dataclasses.replace(config, frontend_workers=FLAGS.workers,
-                             num_slots=config.num_slots * (FLAGS.workers + 1) // FLAGS.workers)
+  return dataclasses.replace(config, frontend_workers=workers(),
+                             num_slots=config.num_slots * (workers() + 1) // workers())
 
 
 def make_engine(config: engine_config.EngineConfig):
@@ -98,12 +111,12 @@ def check_flags() -> engine_config.EngineConfig:
     raise usage("--ckpt is required")
   if FLAGS.ckpt.startswith("random:") and not FLAGS.tokenizer:
     raise usage("--ckpt random:<config> needs --tokenizer (a SentencePiece model)")
-  if not 1 <= FLAGS.workers <= MAX_FRONTEND_WORKERS:
-    raise usage(f"--workers must be in 1..{MAX_FRONTEND_WORKERS}, got {FLAGS.workers}")
+  if not 1 <= workers() <= MAX_FRONTEND_WORKERS:
+    raise usage(f"--workers must be in 1..{MAX_FRONTEND_WORKERS}, got {workers()}")
   for name in ("port", "relay_port"):
     if not 0 <= FLAGS[name].value <= 65535:
       raise usage(f"--{name} must be in 0..65535, got {FLAGS[name].value}")
-  if FLAGS.port == 0 and FLAGS.workers > 1:
+  if FLAGS.port == 0 and workers() > 1:
     raise usage("--port 0 (any free port) works with one worker only: the workers share a port")
   for name in ("grace_s", "engine_stall_s", "max_queued_requests", "queue_timeout_s"):
     if FLAGS[name].value < 0:
@@ -118,8 +131,8 @@ def check_flags() -> engine_config.EngineConfig:
     config = engine_config_from_flags()
   except (ValueError, TypeError) as e:
     raise usage(str(e)) from None
-  if config.num_slots < FLAGS.workers + 1:
-    raise usage(f"--num_slots must be at least --workers ({FLAGS.workers}): every worker needs "
+  if config.num_slots < workers() + 1:
+    raise usage(f"--num_slots must be at least --workers ({workers()}): every worker needs "
                 "a slot")
   if (config.idle_poll_us and FLAGS.engine_stall_s
       and FLAGS.engine_stall_s < 4 * config.idle_poll_us / 1e6):
@@ -179,7 +192,7 @@ def main(argv) -> int:
   log.info("engine up in %.1fs; mailbox in shared memory %s, transport %s",
            time.monotonic() - t0, engine.shm_name, FLAGS.transport)
   opts = ServeOptions(host=FLAGS.host, port=FLAGS.port, transport=FLAGS.transport,
-                      workers=FLAGS.workers, api_key=api_key, grace_s=FLAGS.grace_s,
+                      workers=workers(), api_key=api_key, grace_s=FLAGS.grace_s,
                       relay_host=FLAGS.relay_host, relay_port=FLAGS.relay_port,
                       max_body_bytes=FLAGS.max_body_bytes,
                       served_model_names=tuple(FLAGS.served_model_name),

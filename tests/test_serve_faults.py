@@ -323,6 +323,16 @@ def test_bad_flags_are_usage_errors(args, message):
   assert "Traceback" not in run.stderr + run.stdout
 
 
+def test_two_frontend_workers_by_default(tokenizer_path, tmp_path):
+  """serve.py without --workers starts two (one cannot stream the 1B shape's saturation on an
+  H200: PERFORMANCE.md, "Frontend workers"); both answer on the shared port."""
+  with fake_serve(tmp_path, tokenizer_path, []) as srv:
+    assert len(srv.info["workers"]) == 2, srv.info
+    assert "with 2 frontend worker(s)" in srv.log_text()
+    outs = _plain_burst(srv, 16, 2)
+    assert all(o.status == 200 for o in outs), [(o.status, o.body) for o in outs]
+
+
 def test_api_key_file_stays_off_command_lines(tokenizer_path, tmp_path):
   """--api_key_file: the key works and is on no process's command line (serve.py, workers)."""
   key = "sk-file-secret-7f3a9c"
