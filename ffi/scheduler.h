@@ -750,7 +750,7 @@ struct BlinkSched {
       const uint64_t start = now;
       while (now < until && doorbell_total() == uint32_t(counter(C_DOORBELL_SEEN)) &&
              blink_load<uint32_t>(&hdr()->shutdown) == 0) {
-        X_pause_ns(until - now);
+        X_exec::pause_ns(until - now);
         now = X_now_ns();
         s(S_PACE_WAITED) = 1;
       }
@@ -783,31 +783,18 @@ struct BlinkSched {
       }
       if (blink_load<uint32_t>(&hdr()->shutdown) != 0) return;
       if (X_now_ns() - start > uint64_t(c.idle_poll_us) * 1000) return;
-      X_backoff(attempt);
+      X_exec::backoff(attempt);
     }
   }
 
-  BLINK_HD static uint64_t X_now_ns() {
+  // The clock, backoff and sleep of the side this pass is compiled for (nvcc compiles the
+  // class once for the host and once for the device).
 #ifdef __CUDA_ARCH__
-    return DeviceExec::now_ns();
+  using X_exec = DeviceExec;
 #else
-    return HostExec::now_ns();
+  using X_exec = HostExec;
 #endif
-  }
-  BLINK_HD static void X_backoff(uint32_t attempt) {
-#ifdef __CUDA_ARCH__
-    DeviceExec::backoff(attempt);
-#else
-    HostExec::backoff(attempt);
-#endif
-  }
-  BLINK_HD static void X_pause_ns(uint64_t ns) {
-#ifdef __CUDA_ARCH__
-    DeviceExec::pause_ns(ns);
-#else
-    HostExec::pause_ns(ns);
-#endif
-  }
+  BLINK_HD static uint64_t X_now_ns() { return X_exec::now_ns(); }
 
   // Frees pages and lanes of finishing requests and writes their finish to the mailbox.
   template <class X>
