@@ -122,7 +122,9 @@ def main(argv):
                             **compile_kwargs)
 
     try:
-      gen(FLAGS.tokens)  # warm-up (and compilation)
+      gen(1), gen(FLAGS.tokens)  # warm-up (and compilation) of both lengths timed below:
+      # a compiled generate may compile again for another max_new_tokens, and that compile
+      # inside gen(1) once made the per-token figure negative
       per_token = []
       for _ in range(FLAGS.repeats):
         first, full = gen(1), gen(FLAGS.tokens)
