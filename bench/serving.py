@@ -52,6 +52,9 @@ def define_flags() -> None:
   flags.DEFINE_integer("input_len", None, "fixed input length (overrides the dataset's)")
   flags.DEFINE_integer("output_len", None, "fixed output length (same as --max-tokens)")
   flags.DEFINE_string("sharegpt", None, "ShareGPT v3 JSON file (default: synthetic lengths)")
+  flags.DEFINE_integer("shared_prefix_len", 0, "tokens of one random prefix put before every "
+                       "prompt (a shared system prompt, as vLLM's prefix-repetition dataset): "
+                       "what prefix caching serves from cache")
   flags.DEFINE_enum("prompt_format", "ids", ["ids", "text"], "send prompts as token ids or text")
   flags.DEFINE_string("tokenizer", None, "SentencePiece model used to tokenize ShareGPT text "
                       "(default: 4 characters per token, random ids in ids mode)")
@@ -141,6 +144,24 @@ def synthetic_requests(n: int, seed: int, *, fmt: str = "ids", vocab_size: int =
   inp, out = synthetic_lengths(n, rng, max_context, max_input, input_len, output_len)
   return [Req(random_prompt(int(i), rng, fmt, vocab_size), int(i), int(o))
           for i, o in zip(inp, out)]
+
+
+def with_shared_prefix(reqs: list[Req], n: int, seed: int, *, fmt: str = "ids",
+                       vocab_size: int = 32000, max_context: int = 4096) -> list[Req]:
+  """The requests with one random n-token prefix before every prompt; token-id prompts are
+  cut so that prefix, prompt and output still fit max_context (text prompts add about one
+  token per word)."""
+  if n <= 0:
+    return reqs
+  prefix = random_prompt(n, np.random.default_rng(seed + 7919), fmt, vocab_size)
+  out = []
+  for r in reqs:
+    if fmt == "ids":
+      own = r.prompt[:max(1, max_context - n - r.max_tokens)]
+      out.append(Req(prefix + own, n + len(own), min(r.max_tokens, max_context - n - len(own))))
+    else:
+      out.append(Req(f"{prefix} {r.prompt}", n + r.input_len, r.max_tokens))
+  return out
 
 
 def sharegpt_requests(path: str, n: int, seed: int, *, fmt: str = "ids", tokenizer=None,
@@ -693,6 +714,8 @@ def main(argv):
                              **common)
   else:
     reqs = synthetic_requests(FLAGS.num_prompts, FLAGS.seed, **common)
+  reqs = with_shared_prefix(reqs, FLAGS.shared_prefix_len, FLAGS.seed, fmt=FLAGS.prompt_format,
+                            vocab_size=FLAGS.vocab_size, max_context=max_context)
   rates = [parse_rate(r) for r in FLAGS.rates]
 
   frontend_cpus = sorted(int(c) for c in FLAGS.frontend_cpus)

@@ -6,6 +6,7 @@
 # Usage: TOKENIZER=path/tokenizer.model [SHAPES=...] [MODES="persistent host vllm"] [RATES=2,4,8,inf]
 #        [NUM_PROMPTS=48] [UNPINNED=gemma3-1b:persistent] [SLO_TTFT_MS=1000] [SLO_TPOT_MS=10]
 #        [SERVE_ARGS="--gemv none ..." (more serve.py flags, e.g. KernelOptions')]
+#        [BENCH_ARGS="--shared_prefix_len 1000" (more bench/serving.py flags)]
 #        [PEER_DIR=.carry/peer VLLM_SITE=/tmp/site VLLM_ARGS="..."]
 #        [CROSSCHECK="vllm persistent" CROSSCHECK_RATE=16] [SINGLE=1] [INTERFERENCE=1]
 #        [TAG=name (a variant: results serving_h200_<shape>_<mode>_<TAG>_<run>.json)]
@@ -54,7 +55,7 @@ bench() {  # label, port, interference, frontend cpus (empty: unpinned), [more b
     --rates "$RATES" --max_context 2048 --max_input_len 1024 --interference "$3" \
     --slo_ttft_ms "$SLO_TTFT_MS" --slo_tpot_ms "$SLO_TPOT_MS" \
     --frontend_cpus "$4" ${4:+--client_cpus "$CLIENT"} --label "$1" --noplot \
-    --out "bench/results/serving_h200_$1.json" "${@:5}" 2>&1 \
+    --out "bench/results/serving_h200_$1.json" ${BENCH_ARGS:-} "${@:5}" 2>&1 \
     | grep -v "^[IW]1" | tail -6
   pack
 }

@@ -55,6 +55,17 @@ def test_synthetic_requests_ids_and_text():
   assert all(isinstance(r.prompt, str) and len(r.prompt.split()) == r.input_len for r in text)
 
 
+def test_shared_prefix_goes_before_every_prompt_and_keeps_the_context():
+  reqs = BS.synthetic_requests(20, 0, max_context=256)
+  shared = BS.with_shared_prefix(reqs, 100, 0, vocab_size=1000, max_context=256)
+  prefix = shared[0].prompt[:100]
+  for r, s in zip(reqs, shared):
+    assert s.prompt[:100] == prefix and s.prompt[100:] == r.prompt[:len(s.prompt) - 100]
+    assert s.input_len == len(s.prompt) and s.input_len + s.max_tokens <= 256
+    assert s.max_tokens >= 1
+  assert BS.with_shared_prefix(reqs, 0, 0) is reqs
+
+
 def test_sharegpt_loader(tmp_path):
   convs = [{"id": str(i), "conversations": [
       {"from": "human", "value": "q" * (40 + 4 * i)}, {"from": "gpt", "value": "a" * (80 + 4 * i)},
