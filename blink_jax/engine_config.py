@@ -153,6 +153,11 @@ class EngineConfig:
       "after the previous step started (a new request or a cancel ends the wait), trading "
       "time per output token for fewer passes over the weights and an idle GPU in between "
       "(docs/PERFORMANCE.md, \"Energy\"); 0: steps back to back.")
+  prefix_caching: bool = _field(
+      False, "Automatic prefix caching in the device scheduler: full KV pages are registered "
+      "by a hash chained over their tokens and a request maps the longest cached prefix "
+      "instead of computing it (docs/ARCHITECTURE.md, \"Prefix caching\"). Off by default "
+      "until measured on the GPU.")
   frontend_workers: int = _field(0, "Frontend worker processes that share the mailbox "
                                  "(slot ranges 0..N-1; the engine's own generate() is N).")
   warm_up: bool | None = _field(None, "Serve a workload that takes every bucket branch "
@@ -184,6 +189,8 @@ class EngineConfig:
       raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
     if (self.idle_poll_us is not None and self.idle_poll_us < 0) or self.frontend_workers < 0:
       raise ValueError("idle_poll_us and frontend_workers must be >= 0")
+    if not isinstance(self.prefix_caching, bool):
+      raise ValueError(f"prefix_caching must be a bool, got {self.prefix_caching!r}")
     m = self.min_step_interval_us
     if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= 1_000_000:
       raise ValueError(f"min_step_interval_us must be an integer in [0, 1000000], got {m!r}")

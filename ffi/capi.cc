@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "mailbox.h"
+#include "prefix_cache.h"
 #include "sched_state.h"
 #include "scheduler.h"
 
@@ -63,6 +64,8 @@ const char* blink_config_check(const int64_t* words) {
   else if (c.min_step_interval_us < 0 || c.min_step_interval_us > 1000000)
     snprintf(buf, sizeof buf, "min_step_interval_us=%lld must be in [0, 1000000]",
              (long long)c.min_step_interval_us);
+  else if (c.prefix_caching != 0 && c.prefix_caching != 1)
+    snprintf(buf, sizeof buf, "prefix_caching=%lld must be 0 or 1", (long long)c.prefix_caching);
   for (int i = 1; !buf[0] && i < c.num_buckets; ++i)
     if (c.bucket(i) <= c.bucket(i - 1))
       snprintf(buf, sizeof buf, "buckets must increase: bucket%d=%lld", i, (long long)c.bucket(i));
@@ -87,6 +90,8 @@ const char* blink_mailbox_layout() {
   F(BlinkMailboxHeader, "header", num_workers) F(BlinkMailboxHeader, "header", eos_id)
   F(BlinkMailboxHeader, "header", engine_state) F(BlinkMailboxHeader, "header", shutdown)
   F(BlinkMailboxHeader, "header", arena_tokens)
+  F(BlinkMailboxHeader, "header", prefix_cache_queries)
+  F(BlinkMailboxHeader, "header", prefix_cache_hits)
   F(BlinkMailboxHeader, "header", doorbell) F(BlinkMailboxHeader, "header", loop_iterations)
   F(BlinkMailboxHeader, "header", steps) F(BlinkMailboxHeader, "header", tokens_generated)
   F(BlinkMailboxHeader, "header", prompt_tokens) F(BlinkMailboxHeader, "header", requests_admitted)
@@ -110,7 +115,7 @@ const char* blink_mailbox_layout() {
   F(BlinkSlotOutput, "output", count) F(BlinkSlotOutput, "output", finish_reason)
   F(BlinkSlotOutput, "output", error_code) F(BlinkSlotOutput, "output", prompt_len)
   F(BlinkSlotOutput, "output", preemptions) F(BlinkSlotOutput, "output", admit_ticket)
-  F(BlinkSlotOutput, "output", token_ns)
+  F(BlinkSlotOutput, "output", token_ns) F(BlinkSlotOutput, "output", cached_tokens)
 #undef F
   snprintf(b, sizeof b, "const.header_bytes=%d;const.request_fixed_bytes=%d;const.output_fixed_bytes=%d;",
            BLINK_HEADER_BYTES, BLINK_REQUEST_FIXED_BYTES, BLINK_OUTPUT_FIXED_BYTES);
@@ -189,13 +194,18 @@ void blink_host_commit(const int64_t* cfg, int32_t* state, int32_t* history, int
                                            row_top_ids, row_top_lps, top_cols});
 }
 
+const char* blink_prefix_check(int64_t np, int64_t ps, int32_t* buf);
+
 // Invariants of a state between steps (test hook): every page is free or owned by exactly
-// one lane, lanes are free or in the admission order exactly once, prefixes fit their pages.
+// one lane (with prefix caching: or cached, held by as many lanes' registered prefixes as its
+// reference count says, the registry's own invariants holding), lanes are free or in the
+// admission order exactly once, prefixes fit their pages.
 const char* blink_state_check(const int64_t* cfg, int32_t* state, int32_t* page_table) {
   const BlinkSchedConfig& c = as_config(cfg);
   BlinkSched s(c, nullptr, state, nullptr, page_table, nullptr);
   std::string err;
-  std::vector<int> page_owner(c.num_pages, -2), lane_seen(c.max_seqs, 0);
+  std::vector<int> page_owner(c.num_pages, -2), lane_seen(c.max_seqs, 0),
+      cache_refs(c.num_pages, 0);
   auto fail = [&](const std::string& m) { if (err.empty()) err = m; };
   int32_t nfree = s.s(S_FREE_COUNT);
   if (nfree < 0 || nfree > c.num_pages) fail("free count out of range");
@@ -217,11 +227,22 @@ const char* blink_state_check(const int64_t* cfg, int32_t* state, int32_t* page_
       fail("a preempted lane holds pages");
     if (s.lane(L_COMPUTED, l) > s.lane(L_LEN, l)) fail("computed > len");
     if (s.pages_for(s.lane(L_COMPUTED, l)) > s.lane(L_PAGES, l)) fail("computed tokens exceed pages");
+    const int32_t reg = c.prefix_caching ? s.lane(L_REG_PAGES, l) : 0;
+    if (reg < 0 || reg > s.lane(L_PAGES, l)) fail("registered pages out of range");
+    if (c.prefix_caching && reg > s.lane(L_COMPUTED, l) / c.page_size)
+      fail("a registered page is not fully computed");
     for (int32_t p = 0; err.empty() && p < s.lane(L_PAGES, l); ++p) {
       int32_t pg = s.pt(l, p);
       if (pg < 0 || pg >= c.num_pages) fail("page table entry out of range");
-      else if (page_owner[pg] != -2)
+      else if (p < reg) {  // cached, possibly shared: counted against its reference count
+        if (page_owner[pg] == -1) fail("page " + std::to_string(pg) + " free and held");
+        else if (!s.pcache().at(s.pcache().lay.cached, pg)) fail("a registered page is not cached");
+        page_owner[pg] = -3;
+        cache_refs[pg]++;
+      } else if (page_owner[pg] != -2)
         fail("page " + std::to_string(pg) + " owned twice (lane " + std::to_string(l) + ")");
+      else if (c.prefix_caching && s.pcache().at(s.pcache().lay.cached, pg))
+        fail("an unregistered page of lane " + std::to_string(l) + " is cached");
       else page_owner[pg] = l;
     }
   }
@@ -230,8 +251,123 @@ const char* blink_state_check(const int64_t* cfg, int32_t* state, int32_t* page_
     if (l < 0 || l >= c.max_seqs || lane_seen[l]++) fail("free lane list holds a bad or repeated lane");
     else if (s.lane(L_STATE, l) != LANE_FREE) fail("a busy lane is in the free list");
   }
+  if (c.prefix_caching) {
+    const BlinkPrefixCache pc = s.pcache();
+    const BlinkPrefixLayout& L = pc.lay;
+    std::vector<int32_t> region(state + L.scalars, state + L.scalars + L.total);
+    const char* reg = blink_prefix_check(c.num_pages, c.page_size, region.data());
+    if (*reg) fail(std::string("prefix cache: ") + reg);
+    for (int64_t p = 0; err.empty() && p < c.num_pages; ++p) {
+      const bool cached = pc.at(L.cached, p) != 0;
+      if (cached && page_owner[p] == -1) fail("page " + std::to_string(p) + " free and cached");
+      if (cached && pc.at(L.ref, p) != cache_refs[p])
+        fail("page " + std::to_string(p) + ": reference count " +
+             std::to_string(pc.at(L.ref, p)) + ", held by " + std::to_string(cache_refs[p]));
+      if (!cached && pc.at(L.ref, p) != 0) fail("an uncached page has references");
+      if (cached && page_owner[p] == -2) page_owner[p] = -3;  // cached, held by no lane
+    }
+  }
   for (int64_t p = 0; err.empty() && p < c.num_pages; ++p)
     if (page_owner[p] == -2) fail("page " + std::to_string(p) + " leaked");
+  g_message = err;
+  return g_message.c_str();
+}
+
+// ---- the prefix-cache page registry (ffi/prefix_cache.h), driven directly by its tests ----
+// `np`, `ps`: pages and page size; `buf`: a region of blink_prefix_words(np, ps) int32 words.
+namespace {
+BlinkPrefixCache prefix_cache(int64_t np, int64_t ps, int32_t* buf) {
+  return BlinkPrefixCache(buf, BlinkPrefixLayout(np, ps));
+}
+}  // namespace
+
+int64_t blink_prefix_words(int64_t np, int64_t ps) { return BlinkPrefixLayout(np, ps).total; }
+void blink_prefix_init(int64_t np, int64_t ps, int32_t* buf) { prefix_cache(np, ps, buf).init(); }
+uint64_t blink_prefix_hash(uint64_t parent, const int32_t* tokens, int64_t n) {
+  return blink_page_hash(parent, tokens, n);
+}
+int32_t blink_prefix_lookup(int64_t np, int64_t ps, int32_t* buf, uint64_t h, int32_t parent,
+                            const int32_t* tokens) {
+  return prefix_cache(np, ps, buf).lookup(h, parent, tokens);
+}
+void blink_prefix_insert(int64_t np, int64_t ps, int32_t* buf, int32_t page, uint64_t h,
+                         int32_t parent, const int32_t* tokens) {
+  prefix_cache(np, ps, buf).insert(page, h, parent, tokens);
+}
+void blink_prefix_acquire(int64_t np, int64_t ps, int32_t* buf, int32_t page) {
+  prefix_cache(np, ps, buf).acquire(page);
+}
+int32_t blink_prefix_release(int64_t np, int64_t ps, int32_t* buf, int32_t page, int32_t tick) {
+  return prefix_cache(np, ps, buf).release(page, tick) ? 1 : 0;
+}
+int32_t blink_prefix_evict(int64_t np, int64_t ps, int32_t* buf) {
+  return prefix_cache(np, ps, buf).evict();
+}
+// Page p's fields: cached, ref, kids, parent, tick.
+void blink_prefix_page(int64_t np, int64_t ps, int32_t* buf, int32_t p, int32_t* out5) {
+  const BlinkPrefixCache pc = prefix_cache(np, ps, buf);
+  const BlinkPrefixLayout& L = pc.lay;
+  const int64_t regions[5] = {L.cached, L.ref, L.kids, L.parent, L.tick};
+  for (int i = 0; i < 5; ++i) out5[i] = pc.at(regions[i], p);
+}
+// The evictable list from its head (least recently released first); returns its length.
+int32_t blink_prefix_lru(int64_t np, int64_t ps, int32_t* buf, int32_t* out) {
+  const BlinkPrefixCache pc = prefix_cache(np, ps, buf);
+  int32_t n = 0;
+  for (int32_t p = pc.sc(PC_LRU_HEAD); p >= 0 && n <= np; p = pc.at(pc.lay.next, p)) out[n++] = p;
+  return n;
+}
+
+// The registry's invariants (test hook): every cached page once in the table and reachable
+// from its home slot, nothing else there; children counts exact; a cached page's parent
+// cached; the evictable list = the cached pages with no reference and no child, in tick
+// order, linked both ways; counts exact; no negative reference count.
+const char* blink_prefix_check(int64_t np, int64_t ps, int32_t* buf) {
+  const BlinkPrefixCache pc = prefix_cache(np, ps, buf);
+  const BlinkPrefixLayout& L = pc.lay;
+  std::string err;
+  auto fail = [&](const std::string& m) { if (err.empty()) err = m; };
+  std::vector<int> in_table(np, 0), kids(np, 0), in_lru(np, 0);
+  int32_t ncached = 0, nevict = 0;
+  for (int64_t i = 0; i < L.table_size; ++i) {
+    const int32_t p = pc.at(L.table, i);
+    if (p < -1 || p >= np) { fail("table entry out of range"); continue; }
+    if (p < 0) continue;
+    if (!pc.at(L.cached, p)) fail("table holds uncached page " + std::to_string(p));
+    if (in_table[p]++) fail("page " + std::to_string(p) + " in the table twice");
+    // Reachable: no empty slot between its home and here.
+    for (int64_t j = pc.home(pc.hash_of(p)); j != i; j = (j + 1) & (L.table_size - 1))
+      if (pc.at(L.table, j) < 0) { fail("page " + std::to_string(p) + " unreachable"); break; }
+  }
+  for (int32_t p = 0; p < np; ++p) {
+    if (pc.at(L.ref, p) < 0) fail("page " + std::to_string(p) + " has a negative reference count");
+    if (!pc.at(L.cached, p)) continue;
+    ncached++;
+    if (!in_table[p]) fail("cached page " + std::to_string(p) + " not in the table");
+    const int32_t q = pc.at(L.parent, p);
+    if (q >= 0 && (q >= np || !pc.at(L.cached, q))) fail("cached page " + std::to_string(p) + " has an uncached parent");
+    if (q >= 0 && q < np) kids[q]++;
+  }
+  for (int32_t p = 0; p < np; ++p)
+    if (pc.at(L.kids, p) != kids[p]) fail("children count of page " + std::to_string(p));
+  int32_t prev = -1;
+  for (int32_t p = pc.sc(PC_LRU_HEAD); p >= 0; p = pc.at(L.next, p)) {
+    if (p >= np || in_lru[p]++) { fail("evictable list is broken"); break; }
+    if (pc.at(L.prev, p) != prev) fail("evictable list's back links");
+    if (!pc.evictable(p)) fail("page " + std::to_string(p) + " listed but not evictable");
+    if (prev >= 0 && int32_t(uint32_t(pc.at(L.tick, prev)) - uint32_t(pc.at(L.tick, p))) > 0)
+      fail("evictable list out of tick order");
+    prev = p;
+    nevict++;
+  }
+  if (pc.sc(PC_LRU_TAIL) != prev) fail("evictable list's tail");
+  for (int32_t p = 0; p < np; ++p)
+    if (pc.evictable(p) && !in_lru[p]) fail("evictable page " + std::to_string(p) + " not listed");
+  if (ncached != pc.sc(PC_NUM_CACHED)) fail("cached count");
+  int32_t nidle = 0;
+  for (int32_t p = 0; p < np; ++p) nidle += pc.at(L.cached, p) && pc.at(L.ref, p) == 0;
+  if (nidle != pc.sc(PC_NUM_IDLE)) fail("idle count");
+  if (nevict != pc.sc(PC_NUM_EVICTABLE)) fail("evictable count");
   g_message = err;
   return g_message.c_str();
 }
@@ -276,8 +412,8 @@ void blink_state_summary(const int64_t* cfg, const int32_t* state, int64_t* out1
   out16[10] = int64_t(ctr[C_CANCELLED]);
   out16[11] = int64_t(ctr[C_PREEMPTIONS]);
   out16[12] = int64_t(ctr[C_LOOP_ITERATIONS]);
-  out16[13] = 0;
-  out16[14] = 0;
-  out16[15] = 0;
+  out16[13] = int64_t(ctr[C_PREFIX_QUERIES]);
+  out16[14] = int64_t(ctr[C_PREFIX_HITS]);
+  out16[15] = c.prefix_caching ? state[BlinkPrefixLayout(c.num_pages, c.page_size, lay.prefix).scalars + PC_NUM_CACHED] : 0;
 }
 }  // extern "C"

@@ -23,7 +23,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int64_t>("eos1"), ::xla::ffi::StructMember<int64_t>("eos2"),
     ::xla::ffi::StructMember<int64_t>("eos3"), ::xla::ffi::StructMember<int64_t>("idle_poll_us"),
     ::xla::ffi::StructMember<int64_t>("arena_tokens"),
-    ::xla::ffi::StructMember<int64_t>("min_step_interval_us"));
+    ::xla::ffi::StructMember<int64_t>("min_step_interval_us"),
+    ::xla::ffi::StructMember<int64_t>("prefix_caching"));
 
 namespace blink {
 

@@ -55,7 +55,7 @@
 #include <stdint.h>
 
 #define BLINK_MAGIC 0x31424d4b4e494c42ULL  // "BLINKMB1" little-endian
-#define BLINK_VERSION 2u
+#define BLINK_VERSION 3u
 #define BLINK_MAX_WORKERS 64
 #define BLINK_MAX_STOP_IDS 16
 #define BLINK_HEADER_BYTES 1024
@@ -140,7 +140,9 @@ struct BlinkMailboxHeader {
   uint64_t last_step_tokens;
   uint64_t schedule_ns;         // device time spent in the scheduler kernels (CUDA only):
   uint64_t commit_ns;           // with loop_iterations, what a step costs outside the model
-  uint8_t pad1[BLINK_HEADER_BYTES - 640 - 16 * 8];
+  uint64_t prefix_cache_queries;  // prompt tokens admitted with prefix caching on
+  uint64_t prefix_cache_hits;     // of those, tokens whose K/V came from cached pages
+  uint8_t pad1[BLINK_HEADER_BYTES - 640 - 18 * 8];
 };
 
 struct BlinkSlotRequest {
@@ -172,7 +174,8 @@ struct BlinkSlotOutput {
   uint32_t preemptions;   // times this request was preempted and recomputed
   uint32_t admit_ticket;  // 1 + admission order among all requests; 0 = not admitted
   uint64_t token_ns;      // device clock (ns) when entry count-1 was written; for latency
-  uint32_t pad0[6];
+  uint32_t cached_tokens; // prompt tokens whose K/V came from the prefix cache (at admission)
+  uint32_t pad0[5];
   // Entry e of the request lives at ring index e % ring_capacity:
   //   int32_t tokens[ring]; float logprobs[ring];
   //   int32_t top_ids[ring][max_top_logprobs]; float top_logprobs[ring][max_top_logprobs]

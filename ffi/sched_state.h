@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "mailbox.h"
+#include "prefix_cache.h"
 
 #define BLINK_MAX_BUCKETS 8
 // Lanes: the decode pass packs a lane count and a page count into one 32-bit scan.
@@ -33,6 +34,7 @@ struct BlinkSchedConfig {
   int64_t idle_poll_us;      // how long an idle schedule polls the mailbox before returning
   int64_t arena_tokens;      // prompt tokens of the mailbox's arena (geometry)
   int64_t min_step_interval_us;  // step pacing: 0 = steps back to back (see BlinkSched::pace)
+  int64_t prefix_caching;    // 1: automatic prefix caching (prefix_cache.h), 0: off
 
   BLINK_HD int64_t bucket(int i) const {
     const int64_t* b = &bucket0;
@@ -54,8 +56,8 @@ struct BlinkSchedConfig {
       "max_seqs", "max_context", "page_size", "num_pages", "token_budget", "num_buckets",      \
       "bucket0", "bucket1", "bucket2", "bucket3", "bucket4", "bucket5", "bucket6", "bucket7",  \
       "eos0", "eos1", "eos2", "eos3", "idle_poll_us", "arena_tokens",          \
-      "min_step_interval_us"
-#define BLINK_SCHED_CONFIG_NUM_FIELDS 27
+      "min_step_interval_us", "prefix_caching"
+#define BLINK_SCHED_CONFIG_NUM_FIELDS 28
 static_assert(sizeof(BlinkSchedConfig) == 8 * BLINK_SCHED_CONFIG_NUM_FIELDS, "config fields");
 
 // Scalars of the state (int32 words after the 64-bit counters).
@@ -86,6 +88,7 @@ enum BlinkScalar {
   S_PACE_WAITED,      // this schedule call waited for its pacing interval
   S_PACE_T_LO,        // clock (ns) at the start of the last step, when pacing is on
   S_PACE_T_HI,
+  S_ANY_REGISTER,     // prefix caching: some lane has a full computed page not yet registered
   S_NUM_SCALARS = 32
 };
 
@@ -110,7 +113,9 @@ enum BlinkCounter {
   C_SCHED_BATCH_NS,   // the batch's token and sample arrays, counters, idle polling
   C_PACED_STEPS,      // steps that waited for their pacing interval (min_step_interval_us)
   C_PACED_NS,         // time those waits took (clock of the executing side)
-  C_NUM_COUNTERS = 18
+  C_PREFIX_QUERIES,   // prompt tokens of requests admitted with prefix caching on
+  C_PREFIX_HITS,      // of those, tokens whose K/V came from cached pages
+  C_NUM_COUNTERS = 20
 };
 
 // Per-lane fields, each an int32 array of max_seqs.
@@ -145,6 +150,10 @@ enum BlinkLaneField {
   L_TMP,
   L_PLP_DONE,      // prompt-logprob entries written (= prompt positions 1..L_PLP_DONE)
   L_PROMPT_OFF,    // the prompt's first token in the mailbox arena (validated copy)
+  L_REG_PAGES,     // prefix caching: page_table[lane, 0:L_REG_PAGES] are registered (cached)
+  L_CHAIN_LO,      // chain hash of the last registered page (low, high 32 bits)
+  L_CHAIN_HI,
+  L_CACHED_TOKENS, // prompt tokens that came from the cache at admission
   L_NUM_FIELDS
 };
 
@@ -183,7 +192,7 @@ BLINK_HD int64_t blink_lane_words(const BlinkSchedConfig& c) {
 // Word offsets of the state regions.
 struct BlinkStateLayout {
   int64_t counters, scalars, taken, queue, busy, free_pages, order, free_lanes, new_lanes, step_lanes,
-      lanes, stop_ids, scratch_a, scratch_b, scratch_c, scratch_d, total;
+      lanes, stop_ids, scratch_a, scratch_b, scratch_c, scratch_d, prefix, total;
 
   BLINK_HD explicit BlinkStateLayout(const BlinkSchedConfig& c) {
     // Scratch arrays hold one entry per slot, lane or frontend worker.
@@ -205,6 +214,7 @@ struct BlinkStateLayout {
     scratch_b = scratch_a + wide;
     scratch_c = scratch_b + wide;
     scratch_d = scratch_c + wide;
-    total = scratch_d + wide;
+    prefix = scratch_d + wide;  // the prefix-cache registry, when prefix_caching is on
+    total = prefix + (c.prefix_caching ? BlinkPrefixLayout(c.num_pages, c.page_size).total : 0);
   }
 };

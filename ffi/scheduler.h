@@ -153,7 +153,106 @@ struct BlinkSched {
 
   // ---- serial helpers ----
   BLINK_HD void push_free_page(int32_t page) const { region(lay.free_pages)[s(S_FREE_COUNT)++] = page; }
-  BLINK_HD int32_t pop_free_page() const { return region(lay.free_pages)[--s(S_FREE_COUNT)]; }
+  // An empty free list takes the least recently released evictable cached page first.
+  BLINK_HD int32_t pop_free_page() const {
+    if (c.prefix_caching && s(S_FREE_COUNT) == 0) push_free_page(pcache().evict());
+    return region(lay.free_pages)[--s(S_FREE_COUNT)];
+  }
+  // Pages a lane may still take: the free list and, with prefix caching, the cached pages no
+  // lane holds (PC_NUM_IDLE: all reclaimable, leaves first).
+  BLINK_HD int64_t avail() const {
+    return s(S_FREE_COUNT) + (c.prefix_caching ? pcache().sc(PC_NUM_IDLE) : 0);
+  }
+  // The prefix-cache registry (ffi/prefix_cache.h) in the state's global copy: it is not hot.
+  BLINK_HD BlinkPrefixCache pcache() const {
+    return BlinkPrefixCache(st, BlinkPrefixLayout(c.num_pages, c.page_size, lay.prefix));
+  }
+  BLINK_HD uint64_t chain_of(int64_t l) const {
+    return uint64_t(uint32_t(lane(L_CHAIN_LO, l))) | uint64_t(uint32_t(lane(L_CHAIN_HI, l))) << 32;
+  }
+  BLINK_HD void set_chain(int64_t l, uint64_t h) const {
+    lane(L_CHAIN_LO, l) = int32_t(uint32_t(h));
+    lane(L_CHAIN_HI, l) = int32_t(uint32_t(h >> 32));
+  }
+  BLINK_HD int32_t release_tick() const { return int32_t(uint32_t(counter(C_STEPS))); }
+  // Drops lane l's references to its registered pages (cached: they stay, evictable once
+  // unreferenced); the rest of its pages are its own.
+  BLINK_HD void release_registered(int64_t l) const {
+    for (int32_t p = 0; p < lane(L_REG_PAGES, l); ++p)
+      if (pcache().release(pt(l, p), release_tick())) push_free_page(pt(l, p));
+    lane(L_REG_PAGES, l) = 0;
+  }
+
+  // Registers lane l's full pages whose K/V are computed, in order (a page's parent is the
+  // lane's previous, registered page). A prefix already cached under another page (computed
+  // twice, by lanes running together) is shared: the lane switches to the cached page and
+  // frees its own copy, which nothing reads again (the step writes positions >= computed).
+  BLINK_HD void register_pages(int64_t l) const {
+    const BlinkPrefixCache pc = pcache();
+    const int64_t full = lane(L_COMPUTED, l) / c.page_size;
+    for (int64_t i = lane(L_REG_PAGES, l); i < full && i < lane(L_PAGES, l); ++i) {
+      const int32_t* toks = history + int64_t(l) * c.max_context + i * c.page_size;
+      const int32_t parent = i > 0 ? pt(l, i - 1) : -1;
+      const uint64_t h = blink_page_hash(i > 0 ? chain_of(l) : 0, toks, c.page_size);
+      const int32_t hit = pc.lookup(h, parent, toks);
+      if (hit >= 0) {
+        pc.acquire(hit);
+        push_free_page(pt(l, i));
+        pt(l, i) = hit;
+      } else {
+        pc.acquire(pt(l, i));
+        pc.insert(pt(l, i), h, parent, toks);
+      }
+      set_chain(l, h);
+      lane(L_REG_PAGES, l) = int32_t(i + 1);
+    }
+  }
+
+  // Maps the longest cached prefix of lane l's first `tokens` history tokens, in whole pages
+  // and leaving at least the last of them to compute (for its logits), into its empty page
+  // table; returns the pages mapped.
+  BLINK_HD int64_t map_cached_prefix(int64_t l, int64_t tokens) const {
+    const BlinkPrefixCache pc = pcache();
+    const int64_t ps = c.page_size, most = (tokens - 1) / ps;
+    const int32_t* h0 = history + int64_t(l) * c.max_context;
+    int64_t m = 0;
+    uint64_t h = 0;
+    for (int32_t parent = -1; m < most; ++m) {
+      const uint64_t hm = blink_page_hash(h, h0 + m * ps, ps);
+      const int32_t hit = pc.lookup(hm, parent, h0 + m * ps);
+      if (hit < 0) break;
+      pc.acquire(hit);
+      pt(l, m) = hit;
+      parent = hit;
+      h = hm;
+    }
+    lane(L_PAGES, l) = lane(L_REG_PAGES, l) = int32_t(m);
+    set_chain(l, h);
+    lane(L_COMPUTED, l) = int32_t(m * ps);
+    return m;
+  }
+
+  // Prefix caching at admission, after copy_prompts: the lane's first chunk moves past the
+  // cached prefix. The chunk's rows beyond what is left stay in the batch as padding this
+  // once; the pages taken for the chunk go back first, so the new ones never need more.
+  BLINK_HD void match_prefix(int64_t l) const {
+    const int64_t plen = lane(L_PROMPT_LEN, l), ps = c.page_size;
+    counter(C_PREFIX_QUERIES) += uint64_t(plen);
+    const int32_t* h0 = history + int64_t(l) * c.max_context;
+    if ((plen - 1) / ps == 0 || pcache().lookup(blink_page_hash(0, h0, ps), -1, h0) < 0)
+      return;  // the common miss: nothing to undo
+    const int64_t n_old = lane(L_SCHED_N, l);
+    for (int32_t p = 0; p < lane(L_PAGES, l); ++p) push_free_page(pt(l, p));
+    const int64_t m = map_cached_prefix(l, plen);
+    lane(L_CACHED_TOKENS, l) = int32_t(m * ps);
+    const int64_t left = plen - m * ps, n = n_old < left ? n_old : left;
+    alloc_pages(l, m * ps + n);
+    lane(L_SCHED_N, l) = int32_t(n);
+    lane(L_SAMPLES, l) = m * ps + n == lane(L_LEN, l) ? 1 : 0;
+    s(S_PROMPT_ROWS) -= int32_t(n_old - n);
+    counter(C_PREFIX_HITS) += uint64_t(m * ps);
+    blink_store<uint32_t>(out(lane(L_SLOT, l)) + OUT_OFF(cached_tokens), uint32_t(m * ps));
+  }
 
   // Grows lane l's pages to cover `tokens` tokens; the caller checked there are enough.
   BLINK_HD void alloc_pages(int64_t l, int64_t tokens) const {
@@ -161,7 +260,9 @@ struct BlinkSched {
       pt(l, lane(L_PAGES, l)) = pop_free_page();
   }
   BLINK_HD void free_lane_pages(int64_t l) const {
-    for (int32_t p = 0; p < lane(L_PAGES, l); ++p) push_free_page(pt(l, p));
+    const int32_t reg = c.prefix_caching ? lane(L_REG_PAGES, l) : 0;
+    if (reg) release_registered(l);
+    for (int32_t p = reg; p < lane(L_PAGES, l); ++p) push_free_page(pt(l, p));
     lane(L_PAGES, l) = 0;
   }
 
@@ -291,9 +392,12 @@ struct BlinkSched {
     lane(L_BAD, l) = 0;
     lane(L_PLP_DONE, l) = 0;
     lane(L_PROMPT_OFF, l) = int32_t(q.prompt_offset);  // validated against the arena's end
+    lane(L_REG_PAGES, l) = lane(L_CHAIN_LO, l) = lane(L_CHAIN_HI, l) = 0;
+    lane(L_CACHED_TOKENS, l) = 0;
     region(lay.order)[s(S_ORDER_COUNT)++] = l;
     region(lay.new_lanes)[s(S_NUM_ADMITTED)++] = l;
     blink_store<uint32_t>(out(slot) + OUT_OFF(prompt_len), uint32_t(plen));
+    blink_store<uint32_t>(out(slot) + OUT_OFF(cached_tokens), 0u);
     blink_store<uint32_t>(out(slot) + OUT_OFF(admit_ticket), uint32_t(lane(L_TICKET, l)) + 1);
     counter(C_ADMITTED)++;
     schedule_chunk(l, n);
@@ -319,6 +423,12 @@ struct BlinkSched {
   BLINK_HD bool decode_ready(int64_t l) const {
     return lane(L_STATE, l) == LANE_ACTIVE && lane(L_FINISH, l) == BLINK_FINISH_NONE &&
            lane(L_LEN, l) - lane(L_COMPUTED, l) == 1 && ring_has_room(l);
+  }
+
+  BLINK_HD void register_all() const {
+    const int32_t* order = region(lay.order);
+    for (int32_t i = 0; i < s(S_ORDER_COUNT); ++i)
+      if (lane(L_STATE, order[i]) == LANE_ACTIVE) register_pages(order[i]);
   }
 
   // ======================= schedule =======================
@@ -365,6 +475,7 @@ struct BlinkSched {
         begin_pass(x, pass == 0, [&](int64_t w) { return poll_word(w); });
       if (s(S_SCAN)) scan_slots(x);
       check_lanes(x);
+      if (s(S_ANY_REGISTER)) x.serial([&] { register_all(); });
       if (s(S_ANY_FINISH)) release_finished(x);
       phase_done(C_SCHED_POLL_NS);
       decode_pass(x);
@@ -377,7 +488,14 @@ struct BlinkSched {
       });
       if (s(S_NUM_ADMITTED) > 0) {
         copy_prompts(x);
-        x.serial([&] { finalize_schedule(); });
+        x.serial([&] {
+          if (c.prefix_caching)
+            for (int32_t k = 0; k < s(S_NUM_ADMITTED); ++k) {
+              const int32_t l = region(lay.new_lanes)[k];
+              if (!lane(L_BAD, l) && !wants_prompt_logprobs(l)) match_prefix(l);
+            }
+          finalize_schedule();
+        });
       }
       phase_done(C_SCHED_ADMIT_NS);
       fill_batch(x);
@@ -407,6 +525,7 @@ struct BlinkSched {
           if (first) counter(C_LOOP_ITERATIONS)++;
           s(S_NUM_ROWS) = s(S_NUM_DECODE) = s(S_NUM_SAMPLES) = s(S_NUM_ADMITTED) = 0;
           s(S_BLOCKED) = s(S_ANY_FINISH) = s(S_ANY_PREFILL) = s(S_IDLE_RETRY) = 0;
+          s(S_ANY_REGISTER) = 0;
           s(S_PROMPT_ROWS) = s(S_NUM_STEP_LANES) = s(S_ANY_TARGET) = 0;
           s(S_SHUTDOWN) = shutdown[0];
           s(S_DOORBELL_NOW) = int32_t(total);
@@ -475,6 +594,9 @@ struct BlinkSched {
         s(S_ANY_FINISH) = 1;  // benign race: every writer stores 1
       }
       if (needs_prefill(l)) s(S_ANY_PREFILL) = 1;
+      if (c.prefix_caching && lane(L_STATE, l) == LANE_ACTIVE &&
+          lane(L_COMPUTED, l) / c.page_size > lane(L_REG_PAGES, l))
+        s(S_ANY_REGISTER) = 1;  // benign race: every writer stores 1
     });
   }
 
@@ -492,6 +614,11 @@ struct BlinkSched {
     const int32_t total =
         x.exclusive_scan(c.max_seqs, [&](int64_t l) { return decode_need(l); }, off);
     const int32_t nready = total & 0xffff, nneed = total >> 16;
+    if (c.prefix_caching && nneed > s(S_FREE_COUNT))
+      x.serial([&] {  // evictable cached pages onto the free list for the fast path
+        while (s(S_FREE_COUNT) < nneed && pcache().sc(PC_NUM_IDLE) > 0)
+          push_free_page(pcache().evict());
+      });
     const int32_t free_top = s(S_FREE_COUNT);  // every thread reads it before anyone writes it
     if (nneed <= free_top) {
       x.parallel(c.max_seqs, [&](int64_t l) {
@@ -521,9 +648,9 @@ struct BlinkSched {
       int32_t l = order[i];
       if (!decode_ready(l)) continue;
       if (lane(L_COMPUTED, l) % c.page_size == 0) {
-        while (s(S_FREE_COUNT) == 0 && preempt_younger_than(lane(L_TICKET, l))) {
+        while (avail() == 0 && preempt_younger_than(lane(L_TICKET, l))) {
         }
-        if (s(S_FREE_COUNT) == 0) {  // nothing younger to take from: step back itself
+        if (avail() == 0) {  // nothing younger to take from: step back itself
           preempt(l);
           s(S_BLOCKED) = 1;
           continue;
@@ -545,13 +672,19 @@ struct BlinkSched {
       if (!needs_prefill(l) || !ring_has_room(l) || lane(L_TMP, l)) continue;
       int64_t left = c.token_budget - s(S_NUM_ROWS);
       if (left <= 0) break;
+      // A preempted lane's recompute starts from what the cache still holds of it (its own
+      // pages, released to the cache when it was preempted, if not evicted since).
+      if (c.prefix_caching && lane(L_STATE, l) == LANE_PREEMPTED && !wants_prompt_logprobs(l)) {
+        map_cached_prefix(l, lane(L_LEN, l));  // the generated tokens' pages too
+        lane(L_STATE, l) = LANE_ACTIVE;
+      }
       int64_t computed = lane(L_COMPUTED, l), todo = lane(L_LEN, l) - computed;
       int64_t n = fit_ring(l, todo < left ? todo : left);
       if (n <= 0) continue;
-      while (pages_for(computed + n) - lane(L_PAGES, l) > s(S_FREE_COUNT) &&
+      while (pages_for(computed + n) - lane(L_PAGES, l) > avail() &&
              preempt_younger_than(lane(L_TICKET, l))) {
       }
-      int64_t room = (int64_t(lane(L_PAGES, l)) + s(S_FREE_COUNT)) * c.page_size - computed;
+      int64_t room = (int64_t(lane(L_PAGES, l)) + avail()) * c.page_size - computed;
       if (room < n) {
         n = room;
         s(S_BLOCKED) = 1;  // an older request waits for pages: admit nothing new
@@ -588,7 +721,7 @@ struct BlinkSched {
       int64_t n = plen < left ? plen : left;
       if ((q.flags & BLINK_FLAG_PROMPT_LOGPROBS) && n > c.ring_capacity - 1)
         n = c.ring_capacity - 1;  // each prompt row writes an entry (see fit_ring)
-      if (pages_for(n) > s(S_FREE_COUNT)) break;
+      if (pages_for(n) > avail()) break;
       s(S_Q_HEAD)++;
       admit(slot, seq, n, q);
     }
@@ -719,12 +852,15 @@ struct BlinkSched {
     blink_store<uint64_t>(&h->requests_errored, counter(C_ERRORED));
     blink_store<uint64_t>(&h->requests_cancelled, counter(C_CANCELLED));
     blink_store<uint64_t>(&h->preemptions, counter(C_PREEMPTIONS));
-    blink_store<uint64_t>(&h->pages_in_use, uint64_t(c.num_pages - s(S_FREE_COUNT)));
+    // Cached pages that no request holds and that could be evicted count as free.
+    blink_store<uint64_t>(&h->pages_in_use, uint64_t(c.num_pages - avail()));
     blink_store<uint64_t>(&h->pages_total, uint64_t(c.num_pages));
     blink_store<uint64_t>(&h->running, uint64_t(s(S_ORDER_COUNT)));
     blink_store<uint64_t>(&h->waiting, uint64_t(s(S_Q_TAIL) - s(S_Q_HEAD)));
     blink_store<uint64_t>(&h->schedule_ns, counter(C_SCHEDULE_NS));
     blink_store<uint64_t>(&h->commit_ns, counter(C_COMMIT_NS));
+    blink_store<uint64_t>(&h->prefix_cache_queries, counter(C_PREFIX_QUERIES));
+    blink_store<uint64_t>(&h->prefix_cache_hits, counter(C_PREFIX_HITS));
   }
 
   // The doorbells of the attached workers summed (uint32 wrap, as begin_pass sums them).
@@ -804,14 +940,30 @@ struct BlinkSched {
     x.parallel(c.max_seqs, [&](int64_t l) {
       fin[l] = lane(L_STATE, l) != LANE_FREE && lane(L_FINISH, l) != BLINK_FINISH_NONE;
     });
+    // Prefix caching: a finishing lane's last computed pages are registered too, then its
+    // references to registered pages dropped (serially: lanes share cached pages); its own
+    // pages, page_table[l, L_REG_PAGES:], go back to the free list below.
+    if (c.prefix_caching)
+      x.serial([&] {
+        for (int64_t l = 0; l < c.max_seqs; ++l) {
+          if (!fin[l]) continue;
+          register_pages(l);
+          for (int32_t p = 0; p < lane(L_REG_PAGES, l); ++p)
+            if (pcache().release(pt(l, p), release_tick())) push_free_page(pt(l, p));
+        }
+      });
+    const bool pc_on = c.prefix_caching != 0;
     int32_t npages = x.exclusive_scan(
-        c.max_seqs, [&](int64_t l) { return fin[l] ? lane(L_PAGES, l) : 0; }, poff);
+        c.max_seqs,
+        [&](int64_t l) { return fin[l] ? lane(L_PAGES, l) - (pc_on ? lane(L_REG_PAGES, l) : 0) : 0; },
+        poff);
     int32_t nlanes = x.exclusive_scan(c.max_seqs, [&](int64_t l) { return fin[l]; }, loff);
     int32_t free_top = s(S_FREE_COUNT), lane_top = s(S_FREE_LANES);
     x.parallel(c.max_seqs, [&](int64_t l) {
       if (!fin[l]) return;
-      for (int32_t p = 0; p < lane(L_PAGES, l); ++p)
-        region(lay.free_pages)[free_top + poff[l] + p] = pt(l, p);
+      const int32_t own = pc_on ? lane(L_REG_PAGES, l) : 0;
+      for (int32_t p = own; p < lane(L_PAGES, l); ++p)
+        region(lay.free_pages)[free_top + poff[l] + p - own] = pt(l, p);
       region(lay.free_lanes)[lane_top + loff[l]] = int32_t(l);
       uint8_t* o = out(lane(L_SLOT, l));
       blink_store<uint32_t>(o + OUT_OFF(finish_reason), uint32_t(lane(L_FINISH, l)));
@@ -843,6 +995,7 @@ struct BlinkSched {
       lane(L_STATE, l) = LANE_FREE;
       lane(L_FINISH, l) = BLINK_FINISH_NONE;
       lane(L_PAGES, l) = 0;
+      lane(L_REG_PAGES, l) = 0;
       lane(L_SCHED_N, l) = 0;
     });
     x.serial([&] {
@@ -968,5 +1121,6 @@ inline void blink_state_init_host(const BlinkSchedConfig& c, int32_t* st) {
   for (int64_t i = 0; i < c.num_pages; ++i) st[lay.free_pages + i] = int32_t(c.num_pages - 1 - i);
   for (int64_t i = 0; i < c.max_seqs; ++i) st[lay.free_lanes + i] = int32_t(c.max_seqs - 1 - i);
   st[lay.scalars + S_FREE_COUNT] = int32_t(c.num_pages);
+  if (c.prefix_caching) BlinkPrefixCache(st, BlinkPrefixLayout(c.num_pages, c.page_size, lay.prefix)).init();
   st[lay.scalars + S_FREE_LANES] = int32_t(c.max_seqs);
 }

@@ -25,7 +25,9 @@ from blink_jax import env
 
 GPU_COUNTERS = ("loop_iterations", "steps", "tokens_generated", "prompt_tokens",
                 "requests_admitted", "requests_finished", "requests_errored",
-                "requests_cancelled", "preemptions")
+                "requests_cancelled", "preemptions",
+                # vLLM's prefix-cache counters (tokens), 0 with prefix caching off
+                "prefix_cache_queries", "prefix_cache_hits")
 GPU_GAUGES = ("pages_in_use", "pages_total", "running", "waiting", "last_step_tokens")
 
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,

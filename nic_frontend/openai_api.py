@@ -623,9 +623,11 @@ def new_id(kind: str) -> str:
   return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+  """OpenAI's usage object; `cached_tokens`: prompt tokens served from the prefix cache."""
   return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-          "total_tokens": prompt_tokens + completion_tokens}
+          "total_tokens": prompt_tokens + completion_tokens,
+          "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class LogprobsBuilder:

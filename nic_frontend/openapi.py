@@ -143,8 +143,12 @@ def chat_request(names: Sequence[str], limits: api.Limits | None) -> dict:
 def _schemas(names: Sequence[str], limits: api.Limits | None) -> dict:
   nullable_str = {"type": ["string", "null"]}
   usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-           "properties": {k: {"type": "integer", "minimum": 0}
-                          for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+           "properties": {**{k: {"type": "integer", "minimum": 0}
+                             for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+                          "prompt_tokens_details": {
+                              "type": "object", "required": ["cached_tokens"],
+                              "properties": {"cached_tokens": {"type": "integer",
+                                                               "minimum": 0}}}}}
   finish = {"enum": ["stop", "length", None]}
   logprobs = {"type": ["object", "null"]}
 

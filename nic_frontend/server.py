@@ -515,6 +515,7 @@ class _Choice:
                if run.gen.logprobs else None)
     self.first_token_at: float | None = None
     self.last_token_at: float | None = None
+    self.cached_tokens = 0  # the device's count, once admitted
 
 
 class _Run:
@@ -550,11 +551,16 @@ class _Run:
     m.e2e.observe(time.perf_counter() - self.arrival)
     if any(c.decoder.stopped_by_string for c in self.choices):
       self.abandon_reason = "stop_string"
-    return api.usage(sum(len(p) for p in self.gen.prompts), completion)
+    prompt = sum(len(p) for p in self.gen.prompts)
+    # Each prompt runs once per choice (n): its cached tokens are the mean over its choices.
+    per_prompt = max(1, len(self.choices) // max(1, len(self.gen.prompts)))
+    cached = sum(c.cached_tokens for c in self.choices) // per_prompt
+    return api.usage(prompt, completion, min(cached, prompt))
 
   async def _step(self, c: _Choice):
     """The next piece of choice `c` (waits for the device)."""
     out = await c.flight.next()
+    c.cached_tokens = max(c.cached_tokens, out.cached_tokens)
     piece = c.decoder.feed(out.tokens, out.logprobs, out.top, out.finished, out.finish_reason,
                            out.error)
     self._note_tokens(c, len(piece.tokens))

@@ -324,16 +324,37 @@ def test_step_pacing_keeps_the_greedy_outputs(model, dense, mode):
   """A paced loop (min_step_interval_us) only delays decode steps: same tokens, and its
   decode steps are at least the interval apart (unpaced, this tiny model's five steps take a
   few ms)."""
+  prompts = [[3, 4, 5], [6] * 20]
+  # The reference first: with this engine's and the module's engine's persistent loops each
+  # holding one of a 2-core machine's XLA CPU threads, nothing else would run meanwhile.
+  want = [dense(p, 6) for p in prompts]
   with Engine(model, None, mode=mode, min_step_interval_us=150_000, **ENGINE_KW) as eng:
-    prompts = [[3, 4, 5], [6] * 20]
     outs = eng.generate(prompt_token_ids=prompts,
                         sampling=SamplingParams(max_tokens=6, ignore_eos=True))
-    assert [o.token_ids for o in outs] == [dense(p, 6) for p in prompts]
+    assert [o.token_ids for o in outs] == want
     t0 = time.monotonic()
     eng.generate(prompt_token_ids=[7, 8], sampling=SamplingParams(max_tokens=5,
                                                                   ignore_eos=True))
     # 1 prefill step + 4 decode steps, the last 3 of them paced: at least 450 ms.
     assert time.monotonic() - t0 >= 0.45
+
+
+@pytest.mark.parametrize("mode", ["persistent", "host"])
+def test_prefix_caching_keeps_the_greedy_outputs_and_counts_cached_tokens(model, dense, mode):
+  """With prefix caching a request that repeats another's first 24 tokens (6 pages of 4)
+  maps them from the cache: the same greedy tokens as the dense model, 24 cached tokens in
+  its output and the header's counters; a request with a new first page hits nothing."""
+  base = [(7 * i + 3) % VOCAB for i in range(30)]
+  prompts = [base, base[:24] + [5, 6], [9] + base[1:24] + [5, 6]]
+  want = [dense(p, 6) for p in prompts]  # before the engine (see the test above)
+  with Engine(model, None, mode=mode, prefix_caching=True, **ENGINE_KW) as eng:
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    first, again, other = (eng.generate(prompt_token_ids=[p], sampling=sp)[0] for p in prompts)
+    assert [first.token_ids, again.token_ids, other.token_ids] == want
+    assert (first.cached_tokens, again.cached_tokens, other.cached_tokens) == (0, 24, 0)
+    stats = eng.stats()
+    assert stats["prefix_cache_hits"] == 24
+    assert stats["prefix_cache_queries"] == 30 + 26 + 26
 
 
 def test_shutdown_leaves_no_thread_and_rejects_requests(model):

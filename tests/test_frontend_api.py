@@ -260,7 +260,8 @@ def test_stream_completion_sse_framing(stack):
   assert not any("\ufffd" in c["choices"][0]["text"] for c in chunks)
   assert last["choices"] == [] and last["usage"] == {
       "prompt_tokens": stack.prompt_len(prompt), "completion_tokens": n,
-      "total_tokens": stack.prompt_len(prompt) + n}
+      "total_tokens": stack.prompt_len(prompt) + n,
+      "prompt_tokens_details": {"cached_tokens": 0}}  # the fake device runs no prefix cache
   # Without include_usage: no usage field at all.
   body.pop("stream_options")
   events = _sse(stack, "/v1/completions", body)

@@ -247,3 +247,71 @@ def test_random_workloads(w):
   event(f"preemptions: {min(res.summary['preemptions'], 3)}")
   event(f"cancelled: {res.summary['cancelled'] > 0}")
   event(f"errored: {res.summary['errored'] > 0}")
+
+
+# ---------------- prefix caching ----------------
+
+@st.composite
+def shared_prefix_workloads(draw):
+  """workloads() whose prompts share prefixes (a few system prompts, earlier turns), with
+  prefix caching on: pages get registered, hit, shared by lanes running together, evicted
+  under page pressure, released by cancels and preemption."""
+  geo, params, jobs, consume, seed = draw(workloads())
+  vocab = params["vocab_size"]
+  bases = draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=4, max_size=24),
+                        min_size=1, max_size=3))
+  for j in jobs:
+    if j.expect_error != P.Error.NONE or draw(st.integers(0, 3)) == 0:
+      continue  # bad requests and some others keep their own prompts
+    base = draw(st.sampled_from(bases))
+    k = draw(st.integers(0, len(base)))
+    room = params["max_context"] - 1 - k
+    own = j.prompt[:max(1, min(len(j.prompt), room, geo.max_prompt - k))]
+    j.prompt = (base[:k] + own)[:min(geo.max_prompt, params["max_context"] - 1)]
+  return geo, {**params, "prefix_caching": 1}, jobs, consume, seed
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shared_prefix_workloads())
+def test_random_workloads_with_prefix_caching(w):
+  """Every output as the oracle's (which knows nothing of caching), every state invariant
+  after every step (pages free, held or cached; reference counts equal the lanes holding a
+  page; the registry's table, children counts and LRU list exact)."""
+  geo, params, jobs, consume, seed = w
+  region = H.new_mailbox(geo, params["vocab_size"], params["max_context"])
+  cfg = H.make_config(region, geo, **params)
+  res = H.run(jobs, cfg, region, consume_prob=consume, seed=seed)
+  H.check_run(jobs, res, cfg)
+  hits = res.summary["prefix_hits"]
+  assert 0 <= hits <= res.summary["prefix_queries"]
+  event(f"prefix hits: {'none' if hits == 0 else 'some'}")
+  event(f"preemptions: {min(res.summary['preemptions'], 3)}")
+
+
+def test_a_shared_system_prompt_is_computed_once():
+  """Requests that share a 24-token prefix (6 pages of 4), one after another: the second and
+  third map 5 cached pages (the 6th would leave no prompt token to compute for the
+  third, whose prompt is the prefix alone plus one), prefill only the rest, and give the
+  oracle's tokens."""
+  region, cfg = _setup(prefix_caching=1, num_pages=40, max_context=48)
+  base = list(range(2, 26))
+  jobs = [H.Job(0, base + [30, 31], max_tokens=3, ignore_eos=True),
+          H.Job(6, base + [40], max_tokens=3, ignore_eos=True),
+          H.Job(12, base[:20] + [50, 51, 52], max_tokens=3, ignore_eos=True)]
+  res = H.run(jobs, cfg, region)
+  H.check_run(jobs, res, cfg)
+  # job 1 finds the 6 pages job 0 registered (24 of 25 prompt tokens), job 2 the first 5.
+  assert res.summary["prefix_hits"] == 24 + 20
+  assert res.summary["prefix_queries"] == 26 + 25 + 23
+  assert res.summary["prompt_tokens"] == 26 + 1 + 3
+  assert res.summary["cached_pages"] >= 6
+
+
+def test_prefix_caching_off_by_config_keeps_every_page_private():
+  region, cfg = _setup(num_pages=40, max_context=48)
+  base = list(range(2, 26))
+  jobs = [H.Job(0, base + [30], max_tokens=2), H.Job(5, base + [31], max_tokens=2)]
+  res = H.run(jobs, cfg, region)
+  H.check_run(jobs, res, cfg)
+  assert (res.summary["prefix_hits"], res.summary["cached_pages"]) == (0, 0)
+  assert res.summary["prompt_tokens"] == 50

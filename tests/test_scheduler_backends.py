@@ -47,11 +47,19 @@ def _workload(seed: int):
   return geo, params, _random_jobs(rng, params["vocab_size"], params["max_context"], 12)
 
 
-def _run_both(device: jax.Device, seed: int, pace_us: int = 0):
+def _run_both(device: jax.Device, seed: int, pace_us: int = 0, prefix_caching: bool = False):
   """`pace_us`: step pacing on (ARCHITECTURE.md, "Step pacing"): it only delays steps, so
-  the outputs and batches still equal the host run's, and some steps must have waited."""
+  the outputs and batches still equal the host run's, and some steps must have waited.
+  `prefix_caching`: on, over prompts that share prefixes; some must hit."""
   geo, params, jobs = _workload(seed)
   params["min_step_interval_us"] = pace_us
+  if prefix_caching:
+    params["prefix_caching"] = 1
+    rng = random.Random(seed)
+    base = [rng.randrange(params["vocab_size"]) for _ in range(24)]
+    for j in jobs:
+      if j.expect_error == P.Error.NONE and rng.random() < 0.7:
+        j.prompt = (base[:rng.randint(8, 24)] + j.prompt)[:39]
   results, paced = [], []
   for backend in ("host", "xla"):
     region = H.new_mailbox(geo, params["vocab_size"], params["max_context"])
@@ -75,6 +83,8 @@ def _run_both(device: jax.Device, seed: int, pace_us: int = 0):
   for x, y in zip(host.trace, xla.trace):
     np.testing.assert_array_equal(x, y)
   assert all(paced) if pace_us else not any(paced), paced
+  if prefix_caching:
+    assert host.summary["prefix_hits"] > 0
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -84,6 +94,11 @@ def test_cpu_handlers_match_host_run(seed):
 
 def test_cpu_handlers_match_host_run_with_step_pacing():
   _run_both(jax.devices("cpu")[0], 1, pace_us=2000)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cpu_handlers_match_host_run_with_prefix_caching(seed):
+  _run_both(jax.devices("cpu")[0], seed, prefix_caching=True)
 
 
 
@@ -98,3 +113,10 @@ def test_cuda_handlers_match_host_run(seed):
 @pytest.mark.skipif(not gpus(), reason="no CUDA GPU")
 def test_cuda_handlers_match_host_run_with_step_pacing():
   _run_both(gpus()[0], 1, pace_us=2000)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpus(), reason="no CUDA GPU")
+@pytest.mark.parametrize("seed", range(4))
+def test_cuda_handlers_match_host_run_with_prefix_caching(seed):
+  _run_both(gpus()[0], seed, prefix_caching=True)

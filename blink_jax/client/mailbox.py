@@ -131,6 +131,7 @@ class Output:
   error: protocol.Error = protocol.Error.NONE
   admit_ticket: int = 0
   preemptions: int = 0
+  cached_tokens: int = 0  # prompt tokens that came from the prefix cache
 
 
 class SlotsFullError(RuntimeError):
@@ -350,7 +351,7 @@ class MailboxClient:
     return Output(tokens, lps, top, finished,
                   protocol.Finish(out.finish_reason) if finished else protocol.Finish.NONE,
                   protocol.Error(out.error_code) if finished else protocol.Error.NONE,
-                  out.admit_ticket, out.preemptions)
+                  out.admit_ticket, out.preemptions, out.cached_tokens)
 
   def progress(self) -> bytes:
     """The device's progress counters: unchanged since the last call means no output ring of

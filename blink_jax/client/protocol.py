@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 MAGIC = 0x31424D4B4E494C42
-VERSION = 2
+VERSION = 3
 MAX_WORKERS = 64
 MAX_STOP_IDS = 16
 HEADER_BYTES = 1024
@@ -77,12 +77,12 @@ HEADER_DTYPE = np.dtype({
         "loop_iterations", "steps", "tokens_generated", "prompt_tokens", "requests_admitted",
         "requests_finished", "requests_errored", "requests_cancelled", "preemptions",
         "pages_in_use", "pages_total", "running", "waiting", "last_step_tokens",
-        "schedule_ns", "commit_ns",
+        "schedule_ns", "commit_ns", "prefix_cache_queries", "prefix_cache_hits",
     ],
     "formats": ["<u8"] + ["<u4"] * 8 + ["<u8"] + ["<u4"] * 7 + [("<u8", (MAX_WORKERS,))]
-               + ["<u8"] * 16,
+               + ["<u8"] * 18,
     "offsets": [0, 8, 12, 16, 20, 24, 28, 32, 36, 40, 48, 52, 56, 60, 64, 68, 72, 128]
-               + [640 + 8 * i for i in range(16)],
+               + [640 + 8 * i for i in range(18)],
     "itemsize": HEADER_BYTES,
 })
 
@@ -100,9 +100,9 @@ REQUEST_DTYPE = np.dtype({
 
 OUTPUT_DTYPE = np.dtype({
     "names": ["started_seq", "finished_seq", "count", "finish_reason", "error_code",
-              "prompt_len", "preemptions", "admit_ticket", "token_ns"],
-    "formats": ["<u4"] * 8 + ["<u8"],
-    "offsets": [4 * i for i in range(8)] + [32],
+              "prompt_len", "preemptions", "admit_ticket", "token_ns", "cached_tokens"],
+    "formats": ["<u4"] * 8 + ["<u8", "<u4"],
+    "offsets": [4 * i for i in range(8)] + [32, 40],
     "itemsize": OUTPUT_FIXED_BYTES,
 })
 

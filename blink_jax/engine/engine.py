@@ -98,6 +98,7 @@ class RequestOutput:
   ttft_s: float = 0.0
   e2e_s: float = 0.0
   preemptions: int = 0
+  cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 @dataclasses.dataclass
@@ -127,6 +128,7 @@ class _Tracked:
     self.reason: str | None = None  # set once, when the caller has been told
     self.cancel_sent = False
     self.preemptions = 0
+    self.cached_tokens = 0
 
 
 def _finish_name(reason: protocol.Finish, error: protocol.Error) -> str:
@@ -212,7 +214,7 @@ class Engine:
         vocab_size=cfg.vocab_size, max_seqs=c.max_seqs, max_context=c.max_context,
         page_size=c.page_size, num_pages=pages, buckets=c.buckets,
         eos_ids=self.eos_ids, idle_poll_us=c.idle_poll_us, arena_tokens=self.geo.arena_tokens,
-        min_step_interval_us=c.min_step_interval_us)
+        min_step_interval_us=c.min_step_interval_us, prefix_caching=int(c.prefix_caching))
     self.executor = Executor(model, self.sched, max_top_logprobs=c.max_top_logprobs,
                              device=self.device,
                              kernels=asked.kernels)  # "auto" kept: it may fall back
@@ -554,6 +556,7 @@ class Engine:
     if out.tokens and not t.t_first:
       t.t_first = now
     t.preemptions = out.preemptions
+    t.cached_tokens = max(t.cached_tokens, out.cached_tokens)  # 0 until admitted
     if t.reason is not None:  # stopped by a stop string; the device is finishing the cancel
       if out.finished:
         t.events.put(StreamDelta("", [], t.reason))
@@ -601,7 +604,7 @@ class Engine:
         prompt_logprobs=t.prompt_lps if t.params.prompt_logprobs is not None else None,
         prompt_top_logprobs=t.prompt_top if t.params.prompt_logprobs is not None else None,
         ttft_s=(t.t_first or t.t_done) - t.t_submit, e2e_s=t.t_done - t.t_submit,
-        preemptions=t.preemptions)
+        preemptions=t.preemptions, cached_tokens=t.cached_tokens)
 
   def generate(self, prompts: str | Sequence[str] | None = None,
                sampling: SamplingParams | None = None, *,
@@ -647,7 +650,8 @@ class Engine:
     h = mailbox.read_header(self.region)
     keys = ["loop_iterations", "steps", "tokens_generated", "prompt_tokens",
             "requests_admitted", "requests_finished", "requests_errored", "requests_cancelled",
-            "preemptions", "pages_in_use", "pages_total", "running", "waiting"]
+            "preemptions", "pages_in_use", "pages_total", "running", "waiting",
+            "prefix_cache_queries", "prefix_cache_hits"]
     out = {k: int(h[k]) for k in keys}
     out["engine_state"] = protocol.EngineState(int(h["engine_state"])).name.lower()
     return out

@@ -51,6 +51,7 @@ class SchedConfig:
   idle_poll_us: int = 0
   arena_tokens: int = 0  # build(): the mailbox Geometry's default
   min_step_interval_us: int = 0  # step pacing, off
+  prefix_caching: int = 0  # automatic prefix caching, off
 
   @classmethod
   def build(cls, *, buckets: tuple[int, ...], eos_ids: tuple[int, ...] = (), **kw) -> "SchedConfig":
@@ -235,7 +236,7 @@ def register_targets() -> tuple[str, ...]:
 
 SUMMARY_FIELDS = ("free_pages", "running", "waiting", "free_lanes", "steps", "tokens_generated",
                   "prompt_tokens", "admitted", "finished", "errored", "cancelled", "preemptions",
-                  "loop_iterations")
+                  "loop_iterations", "prefix_queries", "prefix_hits", "cached_pages")
 
 
 def summarize(cfg: SchedConfig, state: np.ndarray) -> dict[str, int]:
