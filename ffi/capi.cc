@@ -13,6 +13,8 @@
 #include "scheduler.h"
 
 namespace {
+std::string prefix_check(const BlinkPrefixCache& pc);
+
 const BlinkSchedConfig& as_config(const int64_t* words) {
   return *reinterpret_cast<const BlinkSchedConfig*>(words);
 }
@@ -194,8 +196,6 @@ void blink_host_commit(const int64_t* cfg, int32_t* state, int32_t* history, int
                                            row_top_ids, row_top_lps, top_cols});
 }
 
-const char* blink_prefix_check(int64_t np, int64_t ps, int32_t* buf);
-
 // Invariants of a state between steps (test hook): every page is free or owned by exactly
 // one lane (with prefix caching: or cached, held by as many lanes' registered prefixes as its
 // reference count says, the registry's own invariants holding), lanes are free or in the
@@ -254,9 +254,8 @@ const char* blink_state_check(const int64_t* cfg, int32_t* state, int32_t* page_
   if (c.prefix_caching) {
     const BlinkPrefixCache pc = s.pcache();
     const BlinkPrefixLayout& L = pc.lay;
-    std::vector<int32_t> region(state + L.scalars, state + L.scalars + L.total);
-    const char* reg = blink_prefix_check(c.num_pages, c.page_size, region.data());
-    if (*reg) fail(std::string("prefix cache: ") + reg);
+    const std::string reg = prefix_check(pc);
+    if (!reg.empty()) fail("prefix cache: " + reg);
     for (int64_t p = 0; err.empty() && p < c.num_pages; ++p) {
       const bool cached = pc.at(L.cached, p) != 0;
       if (cached && page_owner[p] == -1) fail("page " + std::to_string(p) + " free and cached");
@@ -323,8 +322,15 @@ int32_t blink_prefix_lru(int64_t np, int64_t ps, int32_t* buf, int32_t* out) {
 // cached; the evictable list = the cached pages with no reference and no child, in tick
 // order, linked both ways; counts exact; no negative reference count.
 const char* blink_prefix_check(int64_t np, int64_t ps, int32_t* buf) {
-  const BlinkPrefixCache pc = prefix_cache(np, ps, buf);
+  g_message = prefix_check(prefix_cache(np, ps, buf));
+  return g_message.c_str();
+}
+}  // extern "C"
+
+namespace {
+std::string prefix_check(const BlinkPrefixCache& pc) {
   const BlinkPrefixLayout& L = pc.lay;
+  const int64_t np = L.num_pages;
   std::string err;
   auto fail = [&](const std::string& m) { if (err.empty()) err = m; };
   std::vector<int> in_table(np, 0), kids(np, 0), in_lru(np, 0);
@@ -368,9 +374,11 @@ const char* blink_prefix_check(int64_t np, int64_t ps, int32_t* buf) {
   for (int32_t p = 0; p < np; ++p) nidle += pc.at(L.cached, p) && pc.at(L.ref, p) == 0;
   if (nidle != pc.sc(PC_NUM_IDLE)) fail("idle count");
   if (nevict != pc.sc(PC_NUM_EVICTABLE)) fail("evictable count");
-  g_message = err;
-  return g_message.c_str();
+  return err;
 }
+}  // namespace
+
+extern "C" {
 
 // Word offsets of the state's regions and indices of the lane fields and scalars that the
 // scheduler race test (tests/test_scheduler_race.py) reads from a returned state, as

@@ -164,6 +164,8 @@ struct BlinkSched {
     return s(S_FREE_COUNT) + (c.prefix_caching ? pcache().sc(PC_NUM_IDLE) : 0);
   }
   // The prefix-cache registry (ffi/prefix_cache.h) in the state's global copy: it is not hot.
+  // Laid out where used rather than kept as a member: a member made the schedule kernel spill
+  // (ptxas: 88 bytes) where it now uses its 128 registers without.
   BLINK_HD BlinkPrefixCache pcache() const {
     return BlinkPrefixCache(st, BlinkPrefixLayout(c.num_pages, c.page_size, lay.prefix));
   }
@@ -176,11 +178,10 @@ struct BlinkSched {
   }
   BLINK_HD int32_t release_tick() const { return int32_t(uint32_t(counter(C_STEPS))); }
   // Drops lane l's references to its registered pages (cached: they stay, evictable once
-  // unreferenced); the rest of its pages are its own.
+  // unreferenced); the rest of its pages, page_table[l, L_REG_PAGES:], are its own.
   BLINK_HD void release_registered(int64_t l) const {
     for (int32_t p = 0; p < lane(L_REG_PAGES, l); ++p)
       if (pcache().release(pt(l, p), release_tick())) push_free_page(pt(l, p));
-    lane(L_REG_PAGES, l) = 0;
   }
 
   // Registers lane l's full pages whose K/V are computed, in order (a page's parent is the
@@ -264,6 +265,7 @@ struct BlinkSched {
     if (reg) release_registered(l);
     for (int32_t p = reg; p < lane(L_PAGES, l); ++p) push_free_page(pt(l, p));
     lane(L_PAGES, l) = 0;
+    if (reg) lane(L_REG_PAGES, l) = 0;
   }
 
   // Finishes a request that holds no lane (queued): output only.
@@ -948,8 +950,7 @@ struct BlinkSched {
         for (int64_t l = 0; l < c.max_seqs; ++l) {
           if (!fin[l]) continue;
           register_pages(l);
-          for (int32_t p = 0; p < lane(L_REG_PAGES, l); ++p)
-            if (pcache().release(pt(l, p), release_tick())) push_free_page(pt(l, p));
+          release_registered(l);  // L_REG_PAGES is kept for the scan below
         }
       });
     const bool pc_on = c.prefix_caching != 0;
