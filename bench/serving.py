@@ -55,6 +55,10 @@ def define_flags() -> None:
   flags.DEFINE_integer("shared_prefix_len", 0, "tokens of one random prefix put before every "
                        "prompt (a shared system prompt, as vLLM's prefix-repetition dataset): "
                        "what prefix caching serves from cache")
+  flags.DEFINE_integer("multi_turn", 1, "turns per conversation: turn k's prompt is turn k-1's "
+                       "prompt, a reply of turn k-1's output length and the next user message "
+                       "(--num_prompts user messages in all); a turn is sent when the one before "
+                       "it has finished, --rates are conversations' arrival rates")
   flags.DEFINE_enum("prompt_format", "ids", ["ids", "text"], "send prompts as token ids or text")
   flags.DEFINE_string("tokenizer", None, "SentencePiece model used to tokenize ShareGPT text "
                       "(default: 4 characters per token, random ids in ids mode)")
@@ -105,6 +109,7 @@ class Req:
   prompt: list[int] | str
   input_len: int
   max_tokens: int
+  follows: int | None = None  # index of the request (earlier turn) this one is sent after
 
 
 def clip_lengths(inp: np.ndarray, out: np.ndarray, max_context: int,
@@ -161,6 +166,34 @@ def with_shared_prefix(reqs: list[Req], n: int, seed: int, *, fmt: str = "ids",
       out.append(Req(prefix + own, n + len(own), min(r.max_tokens, max_context - n - len(own))))
     else:
       out.append(Req(f"{prefix} {r.prompt}", n + r.input_len, r.max_tokens))
+  return out
+
+
+def multi_turn(reqs: list[Req], turns: int, seed: int, *, fmt: str = "ids",
+               vocab_size: int = 32000, max_context: int = 4096) -> list[Req]:
+  """Conversations of `turns` turns out of the requests (their prompts are the user messages,
+  in order): turn k's prompt is turn k-1's prompt, then a reply of turn k-1's output length
+  (random tokens standing in for what the server answered, so a cache can serve turn k-1's
+  prompt but not the reply), then the user message; each turn follows the one before it. A
+  conversation ends early when its next turn would not fit max_context: the message starts
+  the next one, so every request is sent."""
+  if turns <= 1:
+    return reqs
+  rng = np.random.default_rng(seed + 104729)
+  out: list[Req] = []
+  prev, turn = None, 0
+  for r in reqs:
+    if prev is not None and turn < turns:
+      length = prev.input_len + prev.max_tokens + r.input_len
+      if length + r.max_tokens <= max_context:
+        reply = random_prompt(prev.max_tokens, rng, fmt, vocab_size)
+        prompt = (prev.prompt + reply + r.prompt if fmt == "ids"
+                  else f"{prev.prompt} {reply} {r.prompt}")
+        out.append(Req(prompt, length, r.max_tokens, follows=len(out) - 1))
+        prev, turn = out[-1], turn + 1
+        continue
+    out.append(dataclasses.replace(r, follows=None))  # a new conversation
+    prev, turn = out[-1], 1
   return out
 
 
@@ -455,7 +488,8 @@ class ServerCPU:
 # The device loop's counters that blink's /metrics exports from the mailbox header
 # (nic_frontend/metrics.py): with the output tokens they say how many model steps a token
 # costs, the figure behind the energy per token (docs/PERFORMANCE.md, "Energy").
-DEVICE_COUNTERS = ("steps", "loop_iterations", "tokens_generated", "prompt_tokens")
+DEVICE_COUNTERS = ("steps", "loop_iterations", "tokens_generated", "prompt_tokens",
+                   "prefix_cache_queries", "prefix_cache_hits")
 
 
 def scrape_device_counters(base_url: str, headers: dict) -> dict[str, float]:
@@ -496,7 +530,10 @@ class DeviceCounters:
     return {"device_steps": steps, "device_loop_iterations": d.get("loop_iterations"),
             "device_steps_per_output_token": steps / output_tokens if output_tokens else None,
             "device_tokens_per_step": (d.get("tokens_generated", 0) + d.get("prompt_tokens", 0))
-            / steps if steps else None}
+            / steps if steps else None,
+            # prompt tokens looked up in / served from the prefix cache (vLLM's names)
+            "prefix_cache_queries": d.get("prefix_cache_queries"),
+            "prefix_cache_hits": d.get("prefix_cache_hits")}
 
 
 # ---- client ----------------------------------------------------------------------------------
@@ -547,7 +584,9 @@ async def run_rate(base_url: str, headers: dict, model: str, reqs: list[Req], ra
   import aiohttp
   from tqdm import tqdm
 
-  offsets = arrival_times(len(reqs), rate, np.random.default_rng(seed))
+  firsts = [i for i, r in enumerate(reqs) if r.follows is None]  # conversations' first turns
+  offsets = dict(zip(firsts, arrival_times(len(firsts), rate, np.random.default_rng(seed))))
+  done = [asyncio.Event() for _ in reqs]  # a later turn waits for the one it follows
   sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
   recs = [Record(r.input_len, r.max_tokens) for r in reqs]
   bar = tqdm(total=len(reqs), desc=f"rate {rate:g}", disable=not progress, unit="req")
@@ -558,14 +597,18 @@ async def run_rate(base_url: str, headers: dict, model: str, reqs: list[Req], ra
     t0 = time.perf_counter()
 
     async def one(i):
-      delay = t0 + offsets[i] - time.perf_counter()
-      if delay > 0:
-        await asyncio.sleep(delay)
+      if reqs[i].follows is not None:
+        await done[reqs[i].follows].wait()
+      else:
+        delay = t0 + offsets[i] - time.perf_counter()
+        if delay > 0:
+          await asyncio.sleep(delay)
       if sem is None:
         await send_one(session, url, headers, model, reqs[i], recs[i], t0)
       else:
         async with sem:
           await send_one(session, url, headers, model, reqs[i], recs[i], t0)
+      done[i].set()
       bar.update(1)
 
     await asyncio.gather(*(one(i) for i in range(len(reqs))))
@@ -716,6 +759,8 @@ def main(argv):
     reqs = synthetic_requests(FLAGS.num_prompts, FLAGS.seed, **common)
   reqs = with_shared_prefix(reqs, FLAGS.shared_prefix_len, FLAGS.seed, fmt=FLAGS.prompt_format,
                             vocab_size=FLAGS.vocab_size, max_context=max_context)
+  reqs = multi_turn(reqs, FLAGS.multi_turn, FLAGS.seed, fmt=FLAGS.prompt_format,
+                    vocab_size=FLAGS.vocab_size, max_context=max_context)
   rates = [parse_rate(r) for r in FLAGS.rates]
 
   frontend_cpus = sorted(int(c) for c in FLAGS.frontend_cpus)
@@ -770,7 +815,8 @@ def main(argv):
   extra = {"label": FLAGS.label, "base_url": FLAGS.base_url, "model": model,
            "max_context": max_context, "dataset": FLAGS.sharegpt or "synthetic-sharegpt-v3",
            "prompt_format": FLAGS.prompt_format, "seed": FLAGS.seed,
-           "num_prompts": FLAGS.num_prompts, "max_concurrency": FLAGS.max_concurrency,
+           "num_prompts": FLAGS.num_prompts, "shared_prefix_len": FLAGS.shared_prefix_len,
+           "multi_turn": FLAGS.multi_turn, "max_concurrency": FLAGS.max_concurrency,
            "interference": FLAGS.interference,
            "frontend_cpus": frontend_cpus or None, "client_cpus": client_cpus or None,
            "interference_cpus": (interference_cpus if frontend_cpus else "all")

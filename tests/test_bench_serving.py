@@ -66,6 +66,24 @@ def test_shared_prefix_goes_before_every_prompt_and_keeps_the_context():
   assert BS.with_shared_prefix(reqs, 0, 0) is reqs
 
 
+def test_multi_turn_conversations_grow_from_the_previous_turn():
+  reqs = BS.synthetic_requests(10, 0, input_len=20, output_len=10, max_context=128)
+  conv = BS.multi_turn(reqs, 4, 0, vocab_size=1000, max_context=128)
+  # 10 user messages in conversations of 4, 4, 2 turns; each turn after the one before
+  assert [r.follows for r in conv] == [None, 0, 1, 2, None, 4, 5, 6, None, 8]
+  for k, r in enumerate(conv):
+    assert r.input_len == len(r.prompt) and r.input_len + r.max_tokens <= 128
+    if r.follows is not None:
+      prev = conv[r.follows]
+      assert r.prompt[:prev.input_len] == prev.prompt  # the earlier turn's prompt, then
+      assert r.input_len == prev.input_len + prev.max_tokens + 20  # reply, user message
+  assert conv[0].prompt == reqs[0].prompt and conv[5].prompt[-20:] == reqs[5].prompt
+  # a conversation ends where the next turn would not fit the context
+  short = BS.multi_turn(reqs, 4, 0, vocab_size=1000, max_context=75)
+  assert [r.follows for r in short] == [None, 0, None, 2, None, 4, None, 6, None, 8]
+  assert BS.multi_turn(reqs, 1, 0) is reqs
+
+
 def test_sharegpt_loader(tmp_path):
   convs = [{"id": str(i), "conversations": [
       {"from": "human", "value": "q" * (40 + 4 * i)}, {"from": "gpt", "value": "a" * (80 + 4 * i)},
@@ -289,6 +307,21 @@ def test_fixed_max_tokens_text_prompts(server, tmp_path):
   reqs = doc["requests"]["inf"]
   assert all(r["ok"] and r["output_tokens"] == 12 and r["max_tokens"] == 12 for r in reqs)
   assert not out.with_suffix(".png").exists()
+
+
+def test_multi_turn_turns_wait_for_the_previous_answer(server, tmp_path):
+  base_url, dc = server
+  out = tmp_path / "turns.json"
+  _run_tool("--base-url", base_url, "--api-key", API_KEY, "--num-prompts", "6", "--rates", "inf",
+            "--vocab-size", str(dc.vocab_size), "--input-len", "8", "--max-tokens", "4",
+            "--multi-turn", "3", "--no-plot", "--out", str(out))
+  doc = json.loads(out.read_text())
+  assert doc["multi_turn"] == 3
+  reqs = doc["requests"]["inf"]
+  assert [r["input_len"] for r in reqs] == [8, 20, 32] * 2 and all(r["ok"] for r in reqs)
+  for c in (0, 3):  # a turn starts after the turn before it has ended
+    for k in (c + 1, c + 2):
+      assert reqs[k]["start_s"] >= reqs[k - 1]["start_s"] + reqs[k - 1]["e2e_s"]
 
 
 def test_power_sampler_integrates_nvml_power(monkeypatch):
