@@ -13,6 +13,9 @@
 // Lanes: the decode pass packs a lane count and a page count into one 32-bit scan.
 #define BLINK_MAX_SEQS 32767
 #define BLINK_MAX_EOS 4
+// Admission rounds per step with prefix caching: each round copies and matches the prompts it
+// admitted, and admits more into the budget that cache hits gave back (BlinkSched::schedule).
+#define BLINK_ADMIT_ROUNDS 8
 
 // Passed to the FFI handlers as named attributes (names = field names; see
 // BLINK_SCHED_CONFIG_FIELDS) and to the C API as an int64 array in this order.
@@ -89,6 +92,7 @@ enum BlinkScalar {
   S_PACE_T_LO,        // clock (ns) at the start of the last step, when pacing is on
   S_PACE_T_HI,
   S_ANY_REGISTER,     // prefix caching: some lane has a full computed page not yet registered
+  S_COPY_FROM,        // new_lanes[S_COPY_FROM:S_NUM_ADMITTED]: admitted, prompt not copied yet
   S_NUM_SCALARS = 32
 };
 

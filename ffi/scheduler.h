@@ -234,14 +234,14 @@ struct BlinkSched {
   }
 
   // Prefix caching at admission, after copy_prompts: the lane's first chunk moves past the
-  // cached prefix. The chunk's rows beyond what is left stay in the batch as padding this
-  // once; the pages taken for the chunk go back first, so the new ones never need more.
-  BLINK_HD void match_prefix(int64_t l) const {
+  // cached prefix; true when it did (the rows it gave back are then packed by pack_rows).
+  // The pages taken for the chunk go back first, so the new ones never need more.
+  BLINK_HD bool match_prefix(int64_t l) const {
     const int64_t plen = lane(L_PROMPT_LEN, l), ps = c.page_size;
     counter(C_PREFIX_QUERIES) += uint64_t(plen);
     const int32_t* h0 = history + int64_t(l) * c.max_context;
     if ((plen - 1) / ps == 0 || pcache().lookup(blink_page_hash(0, h0, ps), -1, h0) < 0)
-      return;  // the common miss: nothing to undo
+      return false;  // the common miss: nothing to undo
     const int64_t n_old = lane(L_SCHED_N, l);
     for (int32_t p = 0; p < lane(L_PAGES, l); ++p) push_free_page(pt(l, p));
     const int64_t m = map_cached_prefix(l, plen);
@@ -253,6 +253,20 @@ struct BlinkSched {
     s(S_PROMPT_ROWS) -= int32_t(n_old - n);
     counter(C_PREFIX_HITS) += uint64_t(m * ps);
     blink_store<uint32_t>(out(lane(L_SLOT, l)) + OUT_OFF(cached_tokens), uint32_t(m * ps));
+    return true;
+  }
+
+  // Lays the rows of the lanes the serial passes scheduled this step out again, right after
+  // the decode rows, once prefix hits have shortened some of their chunks: no padding rows
+  // between them, so the step runs the bucket of the tokens it computes.
+  BLINK_HD void pack_rows() const {
+    int32_t row = s(S_NUM_DECODE);
+    for (int32_t k = 0; k < s(S_NUM_STEP_LANES); ++k) {
+      const int32_t l = region(lay.step_lanes)[k];
+      lane(L_ROW, l) = row;
+      row += lane(L_SCHED_N, l);
+    }
+    s(S_NUM_ROWS) = row;
   }
 
   // Grows lane l's pages to cover `tokens` tokens; the caller checked there are enough.
@@ -485,18 +499,31 @@ struct BlinkSched {
       // Without admissions (a steady step) the batch header is written in the same phase.
       x.serial([&] {
         if (s(S_ANY_PREFILL)) prefill_pass();
+        s(S_COPY_FROM) = 0;
         admit_waiting();
         if (s(S_NUM_ADMITTED) == 0) finalize_schedule();
       });
-      if (s(S_NUM_ADMITTED) > 0) {
+      // The admitted prompts are copied and, with prefix caching, matched against the cache
+      // before the batch is final. Hits shorten first chunks: the rows are packed again and
+      // more waiting requests are admitted into the budget they gave back, round after round
+      // (docs/ARCHITECTURE.md, "Prefix caching"). Every thread reads the same scalars here:
+      // the serial phase before ends with a barrier.
+      for (int round = 1; s(S_NUM_ADMITTED) > s(S_COPY_FROM); ++round) {
         copy_prompts(x);
         x.serial([&] {
+          const int32_t from = s(S_COPY_FROM), to = s(S_NUM_ADMITTED);
+          s(S_COPY_FROM) = to;
+          bool hit = false;
           if (c.prefix_caching)
-            for (int32_t k = 0; k < s(S_NUM_ADMITTED); ++k) {
+            for (int32_t k = from; k < to; ++k) {
               const int32_t l = region(lay.new_lanes)[k];
-              if (!lane(L_BAD, l) && !wants_prompt_logprobs(l)) match_prefix(l);
+              if (!lane(L_BAD, l) && !wants_prompt_logprobs(l)) hit |= match_prefix(l);
             }
-          finalize_schedule();
+          if (hit) {
+            pack_rows();
+            if (round < BLINK_ADMIT_ROUNDS) admit_waiting();
+          }
+          if (s(S_NUM_ADMITTED) == s(S_COPY_FROM)) finalize_schedule();
         });
       }
       phase_done(C_SCHED_ADMIT_NS);
@@ -738,7 +765,7 @@ struct BlinkSched {
   // history row.
   template <class X>
   BLINK_HD void copy_prompts(const X& x) const {
-    for (int32_t k = 0; k < s(S_NUM_ADMITTED); ++k) {
+    for (int32_t k = s(S_COPY_FROM); k < s(S_NUM_ADMITTED); ++k) {
       int32_t l = region(lay.new_lanes)[k];
       const uint8_t* prompt =
           mb + geo.arena_offset() + 4ull * uint32_t(lane(L_PROMPT_OFF, l));

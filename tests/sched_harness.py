@@ -165,13 +165,17 @@ def run(jobs: list[Job], cfg: SchedConfig, region: M.LocalRegion, *,
   while step < max_steps:
     # Frontend: submissions, cancels, reads.
     while pending and jobs[pending[0]].submit_step <= step and client.free_slots:
-      i = pending.pop(0)
+      i = pending[0]
       j = jobs[i]
       req = M.Request(prompt=j.prompt, max_tokens=j.max_tokens, stop_ids=j.stop_ids,
                       ignore_eos=j.ignore_eos, logprobs=j.logprobs >= 0,
                       prompt_logprobs=j.prompt_logprobs,
                       num_logprobs=max(j.logprobs, 0), request_id=i)
-      slot = client.submit(req, overrides=j.bad)
+      try:
+        slot = client.submit(req, overrides=j.bad)
+      except M.SlotsFullError:  # no contiguous arena room yet: wait as a frontend's queue does
+        break
+      pending.pop(0)
       results[i].submitted_at, results[i].slot = step, slot
       active[slot] = i
     for slot, i in list(active.items()):

@@ -307,6 +307,23 @@ def test_a_shared_system_prompt_is_computed_once():
   assert res.summary["cached_pages"] >= 6
 
 
+def test_cache_hits_give_their_rows_back_to_more_admissions():
+  """Six requests that arrive together and share a cached 24-token prefix each compute one
+  token: they are admitted in one step (admission rounds fill the budget the hits gave back),
+  and that step's batch holds those six rows, no padding left where the chunks were cut."""
+  from blink_jax.native import batch as B
+  region, cfg = _setup(prefix_caching=1, num_pages=40, max_context=48, max_seqs=8)
+  base = list(range(2, 26))
+  jobs = [H.Job(0, base + [30], max_tokens=2, ignore_eos=True)]
+  jobs += [H.Job(8, base + [40 + i], max_tokens=2, ignore_eos=True) for i in range(6)]
+  res = H.run(jobs, cfg, region)
+  H.check_run(jobs, res, cfg)
+  assert res.summary["prefix_hits"] == 6 * 24
+  firsts = [w for w in res.trace if w[B.NUM_SAMPLES] == 6 and w[B.NUM_DECODE] == 0]
+  assert len(firsts) == 1, [list(w[:6]) for w in res.trace]
+  assert firsts[0][B.NUM_ROWS] == 6 and firsts[0][B.BUCKET_SIZE] == 8
+
+
 def test_prefix_caching_off_by_config_keeps_every_page_private():
   region, cfg = _setup(num_pages=40, max_context=48)
   base = list(range(2, 26))
