@@ -192,7 +192,7 @@ def multi_turn(reqs: list[Req], turns: int, seed: int, *, fmt: str = "ids",
         out.append(Req(prompt, length, r.max_tokens, follows=len(out) - 1))
         prev, turn = out[-1], turn + 1
         continue
-    out.append(dataclasses.replace(r, follows=None))  # a new conversation
+    out.append(r)  # a new conversation
     prev, turn = out[-1], 1
   return out
 
