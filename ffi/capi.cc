@@ -68,6 +68,9 @@ const char* blink_config_check(const int64_t* words) {
              (long long)c.min_step_interval_us);
   else if (c.prefix_caching != 0 && c.prefix_caching != 1)
     snprintf(buf, sizeof buf, "prefix_caching=%lld must be 0 or 1", (long long)c.prefix_caching);
+  else if (c.window < 0 || (c.window > 0 && (c.window_pages < 1 || c.window_pages * c.page_size < c.window)))
+    snprintf(buf, sizeof buf, "window=%lld needs window_pages=%lld of page_size=%lld to hold it",
+             (long long)c.window, (long long)c.window_pages, (long long)c.page_size);
   for (int i = 1; !buf[0] && i < c.num_buckets; ++i)
     if (c.bucket(i) <= c.bucket(i - 1))
       snprintf(buf, sizeof buf, "buckets must increase: bucket%d=%lld", i, (long long)c.bucket(i));
@@ -135,12 +138,13 @@ const char* blink_batch_layout() {
   char b[512];
   snprintf(b, sizeof b,
            "num_rows=%d;bucket=%d;bucket_size=%d;num_samples=%d;shutdown=%d;num_decode=%d;"
-           "header_words=%d;tokens=%d;positions=%d;seq_ids=%d;targets=%d;token_arrays=%d;rows=%d;"
+           "header_words=%d;tokens=%d;positions=%d;seq_ids=%d;targets=%d;local_only=%d;"
+           "token_arrays=%d;rows=%d;"
            "lanes=%d;"
            "temperature=%d;top_p=%d;top_k=%d;seed_lo=%d;seed_hi=%d;position=%d;num_logprobs=%d;"
            "sample_arrays=%d;",
            B_NUM_ROWS, B_BUCKET, B_BUCKET_SIZE, B_NUM_SAMPLES, B_SHUTDOWN, B_NUM_DECODE,
-           B_HEADER_WORDS, BT_TOKENS, BT_POSITIONS, BT_SEQ_IDS, BT_TARGETS, BT_NUM, BS_ROWS, BS_LANES,
+           B_HEADER_WORDS, BT_TOKENS, BT_POSITIONS, BT_SEQ_IDS, BT_TARGETS, BT_LOCAL_ONLY, BT_NUM, BS_ROWS, BS_LANES,
            BS_TEMPERATURE, BS_TOP_P, BS_TOP_K, BS_SEED_LO, BS_SEED_HI, BS_POSITION,
            BS_NUM_LOGPROBS, BS_NUM);
   s = b;
@@ -229,7 +233,8 @@ const char* blink_state_check(const int64_t* cfg, int32_t* state, int32_t* page_
     if (s.pages_for(s.lane(L_COMPUTED, l)) > s.lane(L_PAGES, l)) fail("computed tokens exceed pages");
     const int32_t reg = c.prefix_caching ? s.lane(L_REG_PAGES, l) : 0;
     if (reg < 0 || reg > s.lane(L_PAGES, l)) fail("registered pages out of range");
-    if (c.prefix_caching && reg > s.lane(L_COMPUTED, l) / c.page_size)
+    // With windowed pages a lane computes its cached prefix again (local-only rows).
+    if (c.prefix_caching && c.window == 0 && reg > s.lane(L_COMPUTED, l) / c.page_size)
       fail("a registered page is not fully computed");
     for (int32_t p = 0; err.empty() && p < s.lane(L_PAGES, l); ++p) {
       int32_t pg = s.pt(l, p);

@@ -38,6 +38,10 @@ struct BlinkSchedConfig {
   int64_t arena_tokens;      // prompt tokens of the mailbox's arena (geometry)
   int64_t min_step_interval_us;  // step pacing: 0 = steps back to back (see BlinkSched::pace)
   int64_t prefix_caching;    // 1: automatic prefix caching (prefix_cache.h), 0: off
+  // Windowed pages (docs/ARCHITECTURE.md, "Windowed pages"): the sliding-window layers keep a
+  // ring of window_pages pages per lane instead of pages for the whole context. 0: off.
+  int64_t window;            // the sliding window in tokens (a row reads window keys)
+  int64_t window_pages;      // ring pages per lane
 
   BLINK_HD int64_t bucket(int i) const {
     const int64_t* b = &bucket0;
@@ -48,6 +52,11 @@ struct BlinkSchedConfig {
     return e[i];
   }
   BLINK_HD int64_t max_pages_per_seq() const { return (max_context + page_size - 1) / page_size; }
+  // The most rows one lane may compute in a step: with windowed pages, a chunk's writes must
+  // not overwrite the ring entries its first row still reads (window - 1 keys before it).
+  BLINK_HD int64_t lane_chunk() const {
+    return window > 0 ? window_pages * page_size - window + 1 : token_budget;
+  }
   BLINK_HD BlinkGeometry geometry() const {
     return BlinkGeometry{uint32_t(num_slots), uint32_t(max_prompt), uint32_t(ring_capacity),
                          uint32_t(max_top_logprobs), uint32_t(arena_tokens)};
@@ -59,8 +68,8 @@ struct BlinkSchedConfig {
       "max_seqs", "max_context", "page_size", "num_pages", "token_budget", "num_buckets",      \
       "bucket0", "bucket1", "bucket2", "bucket3", "bucket4", "bucket5", "bucket6", "bucket7",  \
       "eos0", "eos1", "eos2", "eos3", "idle_poll_us", "arena_tokens",          \
-      "min_step_interval_us", "prefix_caching"
-#define BLINK_SCHED_CONFIG_NUM_FIELDS 28
+      "min_step_interval_us", "prefix_caching", "window", "window_pages"
+#define BLINK_SCHED_CONFIG_NUM_FIELDS 30
 static_assert(sizeof(BlinkSchedConfig) == 8 * BLINK_SCHED_CONFIG_NUM_FIELDS, "config fields");
 
 // Scalars of the state (int32 words after the 64-bit counters).
@@ -174,10 +183,12 @@ enum BlinkBatchHeader {
   B_HEADER_WORDS = 16
 };
 // Then token arrays of token_budget words: tokens, positions, seq_ids, targets (the next prompt
-// token, whose logprob this row reports, or -1); then sample arrays of
+// token, whose logprob this row reports, or -1), local_only (1: the row recomputes the
+// sliding window before a cached prefix, whose global-layer K/V are in shared pages: only
+// the sliding-window layers write its K/V); then sample arrays of
 // max_seqs words: rows, lanes, temperature (bits), top_p (bits), top_k, seed_lo, seed_hi,
 // position of the token being sampled, num_logprobs (-1 = no logprobs).
-enum BlinkBatchTokenArray { BT_TOKENS = 0, BT_POSITIONS, BT_SEQ_IDS, BT_TARGETS, BT_NUM };
+enum BlinkBatchTokenArray { BT_TOKENS = 0, BT_POSITIONS, BT_SEQ_IDS, BT_TARGETS, BT_LOCAL_ONLY, BT_NUM };
 enum BlinkBatchSampleArray {
   BS_ROWS = 0, BS_LANES, BS_TEMPERATURE, BS_TOP_P, BS_TOP_K, BS_SEED_LO, BS_SEED_HI,
   BS_POSITION, BS_NUM_LOGPROBS, BS_NUM

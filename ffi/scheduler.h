@@ -211,7 +211,11 @@ struct BlinkSched {
 
   // Maps the longest cached prefix of lane l's first `tokens` history tokens, in whole pages
   // and leaving at least the last of them to compute (for its logits), into its empty page
-  // table; returns the pages mapped.
+  // table; returns the pages mapped. The lane computes on from the end of the prefix or, with
+  // windowed pages, from its start: the cache holds the global layers' K/V only, and the
+  // sliding-window layers' K/V of a position depend on the window before it at every layer
+  // below, so no shorter recompute is exact (docs/ARCHITECTURE.md, "Windowed pages"). Those
+  // rows write the lane's ring only: they lie in registered pages (BT_LOCAL_ONLY, fill_batch).
   BLINK_HD int64_t map_cached_prefix(int64_t l, int64_t tokens) const {
     const BlinkPrefixCache pc = pcache();
     const int64_t ps = c.page_size, most = (tokens - 1) / ps;
@@ -229,7 +233,7 @@ struct BlinkSched {
     }
     lane(L_PAGES, l) = lane(L_REG_PAGES, l) = int32_t(m);
     set_chain(l, h);
-    lane(L_COMPUTED, l) = int32_t(m * ps);
+    lane(L_COMPUTED, l) = c.window > 0 ? 0 : int32_t(m * ps);
     return m;
   }
 
@@ -244,16 +248,18 @@ struct BlinkSched {
       return false;  // the common miss: nothing to undo
     const int64_t n_old = lane(L_SCHED_N, l);
     for (int32_t p = 0; p < lane(L_PAGES, l); ++p) push_free_page(pt(l, p));
-    const int64_t m = map_cached_prefix(l, plen);
-    lane(L_CACHED_TOKENS, l) = int32_t(m * ps);
-    const int64_t left = plen - m * ps, n = n_old < left ? n_old : left;
-    alloc_pages(l, m * ps + n);
+    map_cached_prefix(l, plen);
+    // Cached tokens are those not computed again (all of them computed, with windowed pages).
+    const int64_t from = lane(L_COMPUTED, l);
+    lane(L_CACHED_TOKENS, l) = int32_t(from);
+    const int64_t left = plen - from, n = n_old < left ? n_old : left;
+    alloc_pages(l, from + n);
     lane(L_SCHED_N, l) = int32_t(n);
-    lane(L_SAMPLES, l) = m * ps + n == lane(L_LEN, l) ? 1 : 0;
+    lane(L_SAMPLES, l) = from + n == lane(L_LEN, l) ? 1 : 0;
     s(S_PROMPT_ROWS) -= int32_t(n_old - n);
-    counter(C_PREFIX_HITS) += uint64_t(m * ps);
-    blink_store<uint32_t>(out(lane(L_SLOT, l)) + OUT_OFF(cached_tokens), uint32_t(m * ps));
-    return true;
+    counter(C_PREFIX_HITS) += uint64_t(from);
+    blink_store<uint32_t>(out(lane(L_SLOT, l)) + OUT_OFF(cached_tokens), uint32_t(from));
+    return from > 0;
   }
 
   // Lays the rows of the lanes the serial passes scheduled this step out again, right after
@@ -439,6 +445,12 @@ struct BlinkSched {
   BLINK_HD bool decode_ready(int64_t l) const {
     return lane(L_STATE, l) == LANE_ACTIVE && lane(L_FINISH, l) == BLINK_FINISH_NONE &&
            lane(L_LEN, l) - lane(L_COMPUTED, l) == 1 && ring_has_room(l);
+  }
+
+  // Tokens in lane l's registered (cached, maybe shared) pages: a row below it only recomputes
+  // the sliding-window layers' K/V (BT_LOCAL_ONLY), never a shared page's.
+  BLINK_HD int32_t registered_tokens(int64_t l) const {
+    return c.prefix_caching ? lane(L_REG_PAGES, l) * int32_t(c.page_size) : 0;
   }
 
   BLINK_HD void register_all() const {
@@ -708,6 +720,7 @@ struct BlinkSched {
         lane(L_STATE, l) = LANE_ACTIVE;
       }
       int64_t computed = lane(L_COMPUTED, l), todo = lane(L_LEN, l) - computed;
+      if (todo > c.lane_chunk()) todo = c.lane_chunk();
       int64_t n = fit_ring(l, todo < left ? todo : left);
       if (n <= 0) continue;
       while (pages_for(computed + n) - lane(L_PAGES, l) > avail() &&
@@ -748,6 +761,7 @@ struct BlinkSched {
       if (s(S_FREE_LANES) == 0) break;
       int64_t plen = q.prompt_len;
       int64_t n = plen < left ? plen : left;
+      if (n > c.lane_chunk()) n = c.lane_chunk();
       if ((q.flags & BLINK_FLAG_PROMPT_LOGPROBS) && n > c.ring_capacity - 1)
         n = c.ring_capacity - 1;  // each prompt row writes an entry (see fit_ring)
       if (pages_for(n) > avail()) break;
@@ -813,7 +827,8 @@ struct BlinkSched {
   template <class X>
   BLINK_HD void fill_batch(const X& x) const {
     int32_t *tok = tok_array(BT_TOKENS), *pos = tok_array(BT_POSITIONS),
-            *sid = tok_array(BT_SEQ_IDS), *tgt = tok_array(BT_TARGETS);
+            *sid = tok_array(BT_SEQ_IDS), *tgt = tok_array(BT_TARGETS),
+            *loc = tok_array(BT_LOCAL_ONLY);
     const int64_t rows = batch[B_BUCKET_SIZE];
     x.parallel(rows > c.max_seqs ? rows : c.max_seqs, [&](int64_t i) {
       if (i < rows) {
@@ -821,6 +836,7 @@ struct BlinkSched {
         pos[i] = 0;
         sid[i] = -1;
         tgt[i] = -1;
+        loc[i] = 0;
       }
       if (i < c.max_seqs) {
         // An unused sample entry must not look like a request that asks for sampling or
@@ -839,6 +855,7 @@ struct BlinkSched {
         pos[r0] = c0;
         sid[r0] = int32_t(l);
         tgt[r0] = target_of(l, c0);
+        loc[r0] = c0 < registered_tokens(l);
         if (tgt[r0] >= 0) s(S_ANY_TARGET) = 1;  // benign race: every writer stores 1
       }
       int32_t si = lane(L_SAMPLES, l) - 1;
@@ -858,13 +875,14 @@ struct BlinkSched {
       int32_t l = region(lay.step_lanes)[k];
       int32_t n = lane(L_SCHED_N, l);
       if (n <= 1) continue;
-      int32_t r0 = lane(L_ROW, l), c0 = lane(L_COMPUTED, l);
+      int32_t r0 = lane(L_ROW, l), c0 = lane(L_COMPUTED, l), reg = registered_tokens(l);
       const int32_t* h = history + int64_t(l) * c.max_context;
       x.parallel(n, [&](int64_t i) {
         tok[r0 + i] = h[c0 + i];
         pos[r0 + i] = c0 + int32_t(i);
         sid[r0 + i] = l;
         tgt[r0 + i] = target_of(l, c0 + i);
+        loc[r0 + i] = c0 + int32_t(i) < reg;
         if (tgt[r0 + i] >= 0) s(S_ANY_TARGET) = 1;
       });
     }

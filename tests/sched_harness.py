@@ -80,16 +80,51 @@ class FakePagedModel:
   def __init__(self, cfg: SchedConfig):
     self.cfg = cfg
     self.kv = np.full((cfg.num_pages, cfg.page_size), -1, np.int64)
+    # Windowed pages: the sliding-window layers' ring of window_pages pages per lane.
+    self.ring = np.full((cfg.max_seqs * max(cfg.window_pages, 1), cfg.page_size), -1, np.int64)
+
+  def ring_page(self, lane: int, pos: int) -> int:
+    return lane * self.cfg.window_pages + (pos // self.cfg.page_size) % self.cfg.window_pages
+
+  def read(self, page_table: np.ndarray, sid: int, pos: int) -> list[int]:
+    """Tokens 0..pos of lane sid as the global layers read them (its page table); with
+    windowed pages also the last `window` of them as the sliding-window layers read them (its
+    ring): where the two disagree, the result is changed, so a ring entry overwritten too
+    early or a window not recomputed changes the tokens the test sees."""
+    ps = self.cfg.page_size
+    seq = [int(self.kv[page_table[sid, p // ps], p % ps]) for p in range(pos + 1)]
+    return seq if self.window_ok(page_table, sid, pos) else seq + [-2]
+
+  def window_ok(self, page_table: np.ndarray, sid: int, pos: int) -> bool:
+    """Whether the ring holds what the page table does for the window of lane sid's row at
+    pos (always, without windowed pages)."""
+    ps, w = self.cfg.page_size, self.cfg.window
+    return w == 0 or all(
+        self.ring[self.ring_page(sid, p), p % ps] == self.kv[page_table[sid, p // ps], p % ps]
+        for p in range(max(0, pos - w + 1), pos + 1))
 
   def step(self, words: np.ndarray, page_table: np.ndarray):
     cfg = self.cfg
     rows, ns = int(words[B.BUCKET_SIZE]), int(words[B.NUM_SAMPLES])
     b = B.split(words, cfg.token_budget, cfg.max_seqs, rows, cfg.max_seqs)
     ps = cfg.page_size
-    for tok, pos, sid in zip(b.tokens, b.positions, b.seq_ids):
+    for tok, pos, sid, local in zip(b.tokens, b.positions, b.seq_ids, b.local_only):
       if sid < 0:
         continue
-      self.kv[page_table[sid, pos // ps], pos % ps] = tok
+      assert not local or cfg.window > 0, "a local-only row without windowed pages"
+      if cfg.window > 0:
+        self.ring[self.ring_page(sid, pos), pos % ps] = tok
+      if not local:
+        self.kv[page_table[sid, pos // ps], pos % ps] = tok
+    # Every row attends to its window after all of the step's writes (as the model's layers
+    # do): a row that reads a wrong window computes a wrong K/V for itself, here a token no
+    # oracle sequence holds, so what reads it later changes too.
+    if cfg.window > 0:
+      for pos, sid, local in zip(b.positions, b.seq_ids, b.local_only):
+        if sid >= 0 and not self.window_ok(page_table, sid, pos):
+          self.ring[self.ring_page(sid, pos), pos % ps] = -3
+          if not local:
+            self.kv[page_table[sid, pos // ps], pos % ps] = -3
     sampled = np.zeros(cfg.max_seqs, np.int32)
     lps = np.zeros(cfg.max_seqs, np.float32)
     top_ids = np.zeros((cfg.max_seqs, TOP), np.int32)
@@ -101,7 +136,7 @@ class FakePagedModel:
       if tgt < 0:
         continue
       assert sid >= 0, "a padding row has a prompt-logprob target"
-      seq = [self.kv[page_table[sid, p // ps], p % ps] for p in range(pos + 1)]
+      seq = self.read(page_table, sid, pos)
       row_lps[r] = prompt_lp(seq + [int(tgt)])
       row_ids[r] = [(int(tgt) + j) % cfg.vocab_size for j in range(TOP)]
       row_top[r] = [row_lps[r] - j for j in range(TOP)]
@@ -112,8 +147,7 @@ class FakePagedModel:
       pos = int(b.positions[row])
       assert int(b.seq_ids[row]) == lane, "sample row belongs to another lane"
       assert int(b.position[i]) == pos + 1, "sample position is not the next token's"
-      seq = [self.kv[page_table[lane, p // ps], p % ps] for p in range(pos + 1)]
-      t = seq_hash(seq, cfg.vocab_size)
+      t = seq_hash(self.read(page_table, lane, pos), cfg.vocab_size)
       sampled[i] = t
       lps[i] = -0.5 - (t % 7)
       top_ids[i] = [(t + j) % cfg.vocab_size for j in range(TOP)]
@@ -128,6 +162,7 @@ class RunResult:
   summary: dict
   header: np.ndarray
   trace: list  # per-step batch words (for comparing backends)
+  local_rows: list  # per step, the local_only flags of its rows
 
 
 def make_config(region: M.LocalRegion, geo: P.Geometry, **kw) -> SchedConfig:
@@ -151,16 +186,16 @@ def new_mailbox(geo: P.Geometry, vocab: int, max_context: int):
 def run(jobs: list[Job], cfg: SchedConfig, region: M.LocalRegion, *,
         backend: HostScheduler | None = None, consume_prob: float = 1.0, seed: int = 0,
         max_steps: int = 4000, check_every_step: bool = True,
-        step_hook: Callable | None = None) -> RunResult:
+        step_hook: Callable | None = None, model: FakePagedModel | None = None) -> RunResult:
   """Runs the jobs to completion; `backend` provides schedule()/commit()/page_table."""
   rng = random.Random(seed)
   sched = backend or HostScheduler(cfg)
   client = M.MailboxClient(region)
-  model = FakePagedModel(cfg)
+  model = model or FakePagedModel(cfg)
   results = [JobResult() for _ in jobs]
   pending = sorted(range(len(jobs)), key=lambda i: jobs[i].submit_step)
   active: dict[int, int] = {}  # slot -> job index
-  trace = []
+  trace, local_rows = [], []
   step = 0
   while step < max_steps:
     # Frontend: submissions, cancels, reads.
@@ -202,6 +237,8 @@ def run(jobs: list[Job], cfg: SchedConfig, region: M.LocalRegion, *,
     # Device: schedule, model, commit.
     words = np.array(sched.schedule())
     trace.append(words[:B.HEADER_WORDS].copy())
+    rows = int(words[B.NUM_ROWS])
+    local_rows.append(B.split(words, cfg.token_budget, cfg.max_seqs, rows, 0).local_only.copy())
     sched.commit(*model.step(words, np.asarray(sched.page_table)))
     if check_every_step and isinstance(sched, HostScheduler):
       msg = sched.check()
@@ -212,7 +249,7 @@ def run(jobs: list[Job], cfg: SchedConfig, region: M.LocalRegion, *,
   else:
     raise AssertionError(f"workload did not finish in {max_steps} steps")
   summary = sched.summary()
-  return RunResult(results, step, summary, M.read_header(region), trace)
+  return RunResult(results, step, summary, M.read_header(region), trace, local_rows)
 
 
 def split_prompt_entries(i: int, j: Job, r: JobResult, cfg: SchedConfig) -> JobResult:

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from blink_jax.client import protocol as P
+from blink_jax.native import batch as B
 from blink_jax.native.ffi import SchedConfig
 from tests.host_scheduler import HostScheduler
 from tests import sched_harness as H
@@ -332,3 +334,102 @@ def test_prefix_caching_off_by_config_keeps_every_page_private():
   H.check_run(jobs, res, cfg)
   assert (res.summary["prefix_hits"], res.summary["cached_pages"]) == (0, 0)
   assert res.summary["prompt_tokens"] == 50
+
+
+# ---------------- windowed pages ----------------
+
+@st.composite
+def windows(draw, params):
+  """A sliding window and a ring for it: from a window of one token to one longer than the
+  context, from the smallest ring that holds the window (one row per lane and step) up."""
+  ps, ctx = params["page_size"], params["max_context"]
+  window = draw(st.integers(1, ctx + 2))
+  least = -(-window // ps)
+  return dict(window=window, window_pages=draw(st.integers(least, least + 3)))
+
+
+def _run_windowed_on_and_off(w, windowed):
+  geo, params, jobs, consume, seed = w
+  out = []
+  for extra in ({}, windowed):
+    region = H.new_mailbox(geo, params["vocab_size"], params["max_context"])
+    cfg = H.make_config(region, geo, **params, **extra)
+    res = H.run(jobs, cfg, region, consume_prob=consume, seed=seed)
+    H.check_run(jobs, res, cfg)
+    out.append(res)
+  off, on = out
+  for i, (a, b) in enumerate(zip(off.results, on.results)):
+    if jobs[i].cancel_after is None:  # a cancel lands where the steps happen to be
+      assert (a.tokens, a.finish, a.error) == (b.tokens, b.finish, b.error), f"job {i}"
+  return on
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_random_workloads_with_windowed_pages(data):
+  """The fake model reads each sampled row's window back through its lane's ring as well as
+  through its page table and changes its token where they disagree: outputs equal the
+  oracle's and the windowed-off run's over random workloads (chunked prefill capped so that no
+  chunk overwrites the ring entries it reads, preemption, cancels, page pressure)."""
+  w = data.draw(workloads())
+  on = _run_windowed_on_and_off(w, data.draw(windows(w[1])))
+  event(f"preemptions: {min(on.summary['preemptions'], 3)}")
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_random_workloads_with_windowed_pages_and_prefix_caching(data):
+  """The same with shared prefixes and prefix caching: a hit maps the global layers' cached
+  pages and recomputes the window before them for the sliding-window layers (local-only rows,
+  whose writes to the shared pages are dropped)."""
+  w = data.draw(shared_prefix_workloads())
+  on = _run_windowed_on_and_off(w, data.draw(windows(w[1])))
+  local = sum(int(np.sum(t)) for t in on.local_rows)
+  event(f"local-only rows: {'none' if local == 0 else 'some'}")
+  event(f"prefix hits: {'none' if on.summary['prefix_hits'] == 0 else 'some'}")
+
+
+def test_windowed_chunks_never_overwrite_the_window_they_read():
+  """A 40-token prompt, window 8, a ring of 3 pages of 4 (12 tokens): each step computes at
+  most 12 - 8 + 1 = 5 of its tokens, and the output is the oracle's. The fake model does see
+  a ring that is too small: with a 2-page ring behind the scheduler's back the tokens change."""
+  region, cfg = _setup(window=8, window_pages=3, max_context=48, num_pages=40)
+  jobs = [H.Job(0, list(range(2, 42)), max_tokens=4, ignore_eos=True)]
+  res = H.run(jobs, cfg, region)
+  H.check_run(jobs, res, cfg)
+  assert max(int(t[B.NUM_ROWS]) for t in res.trace) == 5
+  small = H.FakePagedModel(cfg.replace(window_pages=2))
+  region, cfg = _setup(window=8, window_pages=3, max_context=48, num_pages=40)
+  res = H.run(jobs, cfg, region, model=small)
+  want, _ = H.oracle(jobs[0], cfg.vocab_size, cfg.max_context, (1,))
+  assert res.results[0].tokens != want
+
+
+def test_with_windowed_pages_a_cached_prefix_is_shared_but_computed_again():
+  """Prefix caching with windowed pages: the second request maps the first's 6 cached pages
+  (24 tokens: no second copy of the global layers' K/V) but computes all 25 prompt tokens,
+  the 24 in shared pages as local-only rows (the sliding-window layers' K/V of a position
+  need the window before it at every layer below, so only a whole recompute is exact). It
+  reports no cached tokens: none were saved."""
+  base = list(range(2, 26))
+  jobs = [H.Job(0, base + [30, 31], max_tokens=12, ignore_eos=True),
+          H.Job(6, base + [40], max_tokens=3, ignore_eos=True)]
+  free = {}
+  for caching in (0, 1):
+    region, cfg = _setup(prefix_caching=caching, window=6, window_pages=8, num_pages=40,
+                         max_context=48)
+    free[caching] = []
+    res = H.run(jobs, cfg, region, step_hook=lambda step, s: free[caching].append(
+        s.summary()["free_pages"]))
+    H.check_run(jobs, res, cfg)
+  assert res.summary["prefix_hits"] == 0
+  assert res.summary["prompt_tokens"] == 26 + 25
+  assert sum(int(np.sum(t)) for t in res.local_rows) == 24
+  # The same steps as without caching, the 6 shared pages held once while both run.
+  assert min(free[1]) == min(free[0]) + 6
+
+
+def test_window_config_errors_name_the_value():
+  region = H.new_mailbox(GEO, 64, 48)
+  with pytest.raises(ValueError, match="window=9 needs window_pages=2"):
+    H.make_config(region, GEO, window=9, window_pages=2)

@@ -47,12 +47,19 @@ def _workload(seed: int):
   return geo, params, _random_jobs(rng, params["vocab_size"], params["max_context"], 12)
 
 
-def _run_both(device: jax.Device, seed: int, pace_us: int = 0, prefix_caching: bool = False):
+def _run_both(device: jax.Device, seed: int, pace_us: int = 0, prefix_caching: bool = False,
+              windowed: bool = False):
   """`pace_us`: step pacing on (ARCHITECTURE.md, "Step pacing"): it only delays steps, so
   the outputs and batches still equal the host run's, and some steps must have waited.
-  `prefix_caching`: on, over prompts that share prefixes; some must hit."""
+  `prefix_caching`: on, over prompts that share prefixes; some must hit (unless windowed).
+  `windowed`: windowed pages, a window of 4-12 tokens in a ring of up to 15 tokens more."""
   geo, params, jobs = _workload(seed)
   params["min_step_interval_us"] = pace_us
+  if windowed:
+    rng = random.Random(seed + 1000)
+    params["window"] = rng.randint(4, 12)
+    ring = params["window"] + rng.randint(1, 7)  # tokens: a lane's chunk is at most 15
+    params["window_pages"] = -(-ring // params["page_size"])
   if prefix_caching:
     params["prefix_caching"] = 1
     rng = random.Random(seed)
@@ -83,8 +90,12 @@ def _run_both(device: jax.Device, seed: int, pace_us: int = 0, prefix_caching: b
   for x, y in zip(host.trace, xla.trace):
     np.testing.assert_array_equal(x, y)
   assert all(paced) if pace_us else not any(paced), paced
-  if prefix_caching:
+  if prefix_caching and not windowed:
     assert host.summary["prefix_hits"] > 0
+  if windowed:  # the ring caps a lane's chunk below the step's budget of 16
+    assert params["window_pages"] * params["page_size"] - params["window"] + 1 < 16
+  if windowed and prefix_caching:
+    assert sum(int(np.sum(t)) for t in host.local_rows) > 0, "no local-only rows"
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -99,6 +110,12 @@ def test_cpu_handlers_match_host_run_with_step_pacing():
 @pytest.mark.parametrize("seed", range(3))
 def test_cpu_handlers_match_host_run_with_prefix_caching(seed):
   _run_both(jax.devices("cpu")[0], seed, prefix_caching=True)
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_cpu_handlers_match_host_run_with_windowed_pages(seed, prefix_caching):
+  _run_both(jax.devices("cpu")[0], seed, prefix_caching=prefix_caching, windowed=True)
 
 
 
@@ -120,3 +137,11 @@ def test_cuda_handlers_match_host_run_with_step_pacing():
 @pytest.mark.parametrize("seed", range(4))
 def test_cuda_handlers_match_host_run_with_prefix_caching(seed):
   _run_both(gpus()[0], seed, prefix_caching=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpus(), reason="no CUDA GPU")
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_cuda_handlers_match_host_run_with_windowed_pages(seed, prefix_caching):
+  _run_both(gpus()[0], seed, prefix_caching=prefix_caching, windowed=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 HEADER_WORDS = 16
 NUM_ROWS, BUCKET, BUCKET_SIZE, NUM_SAMPLES, SHUTDOWN, NUM_DECODE = range(6)
-TOKEN_ARRAYS = ("tokens", "positions", "seq_ids", "targets")
+TOKEN_ARRAYS = ("tokens", "positions", "seq_ids", "targets", "local_only")
 SAMPLE_ARRAYS = ("rows", "lanes", "temperature", "top_p", "top_k", "seed_lo", "seed_hi",
                  "position", "num_logprobs")
 
@@ -26,6 +26,7 @@ class Batch:
   positions: Any
   seq_ids: Any
   targets: Any      # next prompt token whose logprob the row reports, or -1
+  local_only: Any   # 1: only the sliding-window layers write the row's K/V (windowed pages)
   rows: Any
   lanes: Any
   temperature: Any  # float32 bits

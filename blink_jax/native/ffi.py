@@ -52,6 +52,8 @@ class SchedConfig:
   arena_tokens: int = 0  # build(): the mailbox Geometry's default
   min_step_interval_us: int = 0  # step pacing, off
   prefix_caching: int = 0  # automatic prefix caching, off
+  window: int = 0  # windowed pages: the sliding window in tokens (0: off)
+  window_pages: int = 0  # windowed pages: ring pages per lane
 
   @classmethod
   def build(cls, *, buckets: tuple[int, ...], eos_ids: tuple[int, ...] = (), **kw) -> "SchedConfig":
