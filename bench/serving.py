@@ -59,6 +59,9 @@ def define_flags() -> None:
                        "prompt, a reply of turn k-1's output length and the next user message "
                        "(--num_prompts user messages in all); a turn is sent when the one before "
                        "it has finished, --rates are conversations' arrival rates")
+  flags.DEFINE_bool("fresh_prompts", False, "each rate sends its own prompt set (seeds --seed, "
+                    "--seed + 1, ...; the shared prefix stays one): with prefix caching no "
+                    "rate is served from the cache of an earlier rate's prompts")
   flags.DEFINE_enum("prompt_format", "ids", ["ids", "text"], "send prompts as token ids or text")
   flags.DEFINE_string("tokenizer", None, "SentencePiece model used to tokenize ShareGPT text "
                       "(default: 4 characters per token, random ids in ids mode)")
@@ -748,20 +751,28 @@ def main(argv):
   output_len = FLAGS.max_tokens or FLAGS.output_len
   common = dict(fmt=FLAGS.prompt_format, vocab_size=FLAGS.vocab_size, max_context=max_context,
                 max_input=FLAGS.max_input_len, input_len=FLAGS.input_len, output_len=output_len)
-  if FLAGS.sharegpt:
-    tok = None
-    if FLAGS.tokenizer:
-      from blink_jax.client.tokenizer import Tokenizer
-      tok = Tokenizer(FLAGS.tokenizer)
-    reqs = sharegpt_requests(FLAGS.sharegpt, FLAGS.num_prompts, FLAGS.seed, tokenizer=tok,
-                             **common)
-  else:
-    reqs = synthetic_requests(FLAGS.num_prompts, FLAGS.seed, **common)
-  reqs = with_shared_prefix(reqs, FLAGS.shared_prefix_len, FLAGS.seed, fmt=FLAGS.prompt_format,
-                            vocab_size=FLAGS.vocab_size, max_context=max_context)
-  reqs = multi_turn(reqs, FLAGS.multi_turn, FLAGS.seed, fmt=FLAGS.prompt_format,
-                    vocab_size=FLAGS.vocab_size, max_context=max_context)
+  tok = None
+  if FLAGS.sharegpt and FLAGS.tokenizer:
+    from blink_jax.client.tokenizer import Tokenizer
+    tok = Tokenizer(FLAGS.tokenizer)
+
+  def build(seed: int) -> list[Req]:
+    """The prompt set of `seed`; the shared prefix is --seed's whatever `seed` is (one
+    system prompt for the whole run)."""
+    if FLAGS.sharegpt:
+      reqs = sharegpt_requests(FLAGS.sharegpt, FLAGS.num_prompts, seed, tokenizer=tok, **common)
+    else:
+      reqs = synthetic_requests(FLAGS.num_prompts, seed, **common)
+    reqs = with_shared_prefix(reqs, FLAGS.shared_prefix_len, FLAGS.seed,
+                              fmt=FLAGS.prompt_format, vocab_size=FLAGS.vocab_size,
+                              max_context=max_context)
+    return multi_turn(reqs, FLAGS.multi_turn, seed, fmt=FLAGS.prompt_format,
+                      vocab_size=FLAGS.vocab_size, max_context=max_context)
   rates = [parse_rate(r) for r in FLAGS.rates]
+  reqs = build(FLAGS.seed)
+  # With --fresh_prompts rate k sends set seed + k: no rate finds another's prompts cached.
+  sets = [build(FLAGS.seed + k) if FLAGS.fresh_prompts and k else reqs
+          for k in range(len(rates))]
 
   frontend_cpus = sorted(int(c) for c in FLAGS.frontend_cpus)
   client_cpus = sorted(int(c) for c in FLAGS.client_cpus) or frontend_cpus
@@ -794,7 +805,7 @@ def main(argv):
     for k, rate in enumerate(rates):
       with sampler, cpu, counters:
         recs, duration = asyncio.run(run_rate(
-            FLAGS.base_url, headers, model, reqs, rate, FLAGS.seed + 1000 * (k + 1),
+            FLAGS.base_url, headers, model, sets[k], rate, FLAGS.seed + 1000 * (k + 1),
             FLAGS.max_concurrency, FLAGS.request_timeout_s))
       m = compute_metrics(recs, duration, FLAGS.slo_ttft_ms, FLAGS.slo_tpot_ms)
       m.update(sampler.result(m["output_tokens"]))
@@ -816,7 +827,8 @@ def main(argv):
            "max_context": max_context, "dataset": FLAGS.sharegpt or "synthetic-sharegpt-v3",
            "prompt_format": FLAGS.prompt_format, "seed": FLAGS.seed,
            "num_prompts": FLAGS.num_prompts, "shared_prefix_len": FLAGS.shared_prefix_len,
-           "multi_turn": FLAGS.multi_turn, "max_concurrency": FLAGS.max_concurrency,
+           "multi_turn": FLAGS.multi_turn, "fresh_prompts": FLAGS.fresh_prompts,
+           "max_concurrency": FLAGS.max_concurrency,
            "interference": FLAGS.interference,
            "frontend_cpus": frontend_cpus or None, "client_cpus": client_cpus or None,
            "interference_cpus": (interference_cpus if frontend_cpus else "all")

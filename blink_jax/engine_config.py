@@ -154,10 +154,18 @@ class EngineConfig:
       "time per output token for fewer passes over the weights and an idle GPU in between "
       "(docs/PERFORMANCE.md, \"Energy\"); 0: steps back to back.")
   prefix_caching: bool = _field(
-      False, "Automatic prefix caching in the device scheduler: full KV pages are registered "
-      "by a hash chained over their tokens and a request maps the longest cached prefix "
-      "instead of computing it (docs/ARCHITECTURE.md, \"Prefix caching\"). Off by default "
-      "until measured on the GPU.")
+      True, "Automatic prefix caching in the device scheduler, like vLLM's: full KV pages are "
+      "registered by a hash chained over their tokens and a request maps the longest cached "
+      "prefix instead of computing it (docs/ARCHITECTURE.md, \"Prefix caching\").")
+  windowed_pages: bool = _field(
+      False, "The sliding-window layers keep a ring per sequence of their window plus "
+      "window_chunk tokens instead of pages for the whole context, so a long context costs "
+      "its global layers' pages alone (docs/ARCHITECTURE.md, \"Windowed pages\"); with "
+      "prefix caching a hit then shares the global layers' pages but computes the prompt "
+      "again.")
+  window_chunk: int | None = _field(
+      None, "With windowed_pages: the most prompt tokens one sequence computes in a step "
+      "(its ring holds window - 1 + window_chunk tokens; default: the model's window).")
   frontend_workers: int = _field(0, "Frontend worker processes that share the mailbox "
                                  "(slot ranges 0..N-1; the engine's own generate() is N).")
   warm_up: bool | None = _field(None, "Serve a workload that takes every bucket branch "
@@ -174,7 +182,7 @@ class EngineConfig:
     for name in ("page_size", "num_slots", "ring_capacity"):
       positive(name)
     for name in ("max_seqs", "kv_pages", "max_context", "max_num_batched_tokens",
-                 "prompt_arena_tokens"):
+                 "prompt_arena_tokens", "window_chunk"):
       positive(name, allow_none=True)
     f = self.kv_cache_memory_fraction
     if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float))
@@ -189,8 +197,9 @@ class EngineConfig:
       raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
     if (self.idle_poll_us is not None and self.idle_poll_us < 0) or self.frontend_workers < 0:
       raise ValueError("idle_poll_us and frontend_workers must be >= 0")
-    if not isinstance(self.prefix_caching, bool):
-      raise ValueError(f"prefix_caching must be a bool, got {self.prefix_caching!r}")
+    for name in ("prefix_caching", "windowed_pages"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
     m = self.min_step_interval_us
     if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= 1_000_000:
       raise ValueError(f"min_step_interval_us must be an integer in [0, 1000000], got {m!r}")
@@ -226,16 +235,24 @@ class EngineConfig:
     """max_seqs, or its default on a device of `platform` ("gpu", "cpu", ...)."""
     return self.max_seqs or (GPU_MAX_SEQS if platform == "gpu" else CPU_MAX_SEQS)
 
-  def resolved(self, model_max_context: int, platform: str) -> "EngineConfig":
+  def resolved(self, model_max_context: int, platform: str,
+               sliding_window: int | None = None) -> "EngineConfig":
     """The config with the model- and device-dependent defaults filled in: max_seqs,
     max_context, kv_pages, kv_cache_memory_fraction, max_num_batched_tokens, buckets,
-    idle_poll_us, warm_up and the kernels' "auto". On a GPU without kv_pages, kv_pages stays
-    None here: it depends on the memory left once the weights are loaded, so the engine
-    fills it in then (`kv_pages_for_memory`)."""
+    idle_poll_us, warm_up, window_chunk and the kernels' "auto". On a GPU without kv_pages,
+    kv_pages stays None here: it depends on the memory left once the weights are loaded, so
+    the engine fills it in then (`kv_pages_for_memory`). sliding_window: the model's (None:
+    it has no sliding-window layers)."""
     max_seqs = self.max_seqs_on(platform)
     max_context = self.max_context or min(model_max_context, 4096)
     if max_context > model_max_context:
       raise ValueError(f"max_context {max_context} exceeds the model's {model_max_context}")
+    window_chunk = self.window_chunk
+    if self.windowed_pages:
+      if not sliding_window or sliding_window >= max_context:
+        raise ValueError(f"windowed_pages needs sliding-window layers whose window is shorter "
+                         f"than max_context ({max_context}); the model's: {sliding_window}")
+      window_chunk = window_chunk or sliding_window
     kv_pages, fraction = self.kv_pages, self.kv_cache_memory_fraction
     if kv_pages is None and platform == "gpu":
       fraction = GPU_MEMORY_FRACTION if fraction is None else fraction
@@ -252,6 +269,8 @@ class EngineConfig:
       while sizes[-1] < budget:
         sizes.append(max(256, 2 * sizes[-1]))
       buckets = tuple(sorted({min(b, budget) for b in sizes} | {budget}))
+    if self.windowed_pages:  # a lane never computes more than a step's tokens
+      window_chunk = min(window_chunk, buckets[-1])
     if buckets[-1] < max_seqs:
       raise ValueError(f"max_num_batched_tokens ({buckets[-1]}) must hold a decode row for "
                        f"each of max_seqs ({max_seqs}) sequences")
@@ -272,7 +291,7 @@ class EngineConfig:
         self, max_seqs=max_seqs, max_context=max_context, kv_pages=kv_pages,
         prompt_arena_tokens=arena,
         kv_cache_memory_fraction=fraction, max_num_batched_tokens=buckets[-1],
-        buckets=buckets, idle_poll_us=idle_poll_us,
+        buckets=buckets, idle_poll_us=idle_poll_us, window_chunk=window_chunk,
         warm_up=(platform == "gpu") if self.warm_up is None else self.warm_up,
         kernels=self.kernels.resolved(platform))
 
@@ -285,6 +304,11 @@ class EngineConfig:
     ks = ", ".join(f"{f.name}={getattr(kernels, f.name)}" for f in dataclasses.fields(kernels))
     return f"{self._capacity(memory)}{text}; kernels: {ks}"
 
+  def window_pages(self, sliding_window: int) -> int:
+    """Ring pages per sequence under windowed_pages (a resolved config): the window - 1 keys
+    a chunk's first row reads and the chunk itself."""
+    return -(-(sliding_window - 1 + self.window_chunk) // self.page_size)
+
   def _capacity(self, memory: "DeviceMemory | None") -> str:
     if None in (self.max_seqs, self.kv_pages, self.max_context):
       return ""  # not resolved: nothing chosen yet
@@ -295,7 +319,8 @@ class EngineConfig:
       room = _room(memory, f) // memory.page_bytes
       why = (f"{f} of {_gib(memory.bytes_limit)}: weights {_gib(memory.bytes_in_use)}, "
              f"workspace {_gib(memory.workspace_bytes)}, "
-             f"{_gib(self.kv_pages * memory.page_bytes)} of KV")
+             + (f"window rings {_gib(memory.ring_bytes)}, " if memory.ring_bytes else "")
+             + f"{_gib(self.kv_pages * memory.page_bytes)} of KV")
       if self.kv_pages < room:
         why += f"; capped at max_context worth per sequence, room for {room}"
     return f"capacity: {self.max_seqs} sequences, {self.kv_pages} KV pages ({why}); "
@@ -305,11 +330,13 @@ class EngineConfig:
 class DeviceMemory:
   """The GPU figures the engine sizes the KV cache from (`kv_pages_for_memory`), kept for
   the startup log: what XLA's allocator may use (memory_stats' bytes_limit), what is in use
-  once the weights are loaded, the reserve for the step's temporaries, one page's bytes."""
+  once the weights are loaded, the reserve for the step's temporaries, one page's bytes and,
+  with windowed pages, the sliding-window layers' rings (their size is fixed by max_seqs)."""
   bytes_limit: int
   bytes_in_use: int
   workspace_bytes: int
   page_bytes: int
+  ring_bytes: int = 0
 
 
 def full_context_pages(max_context: int, page_size: int, max_seqs: int) -> int:
@@ -323,17 +350,17 @@ def _gib(n: int) -> str:
 
 def _room(m: DeviceMemory, fraction: float) -> int:
   """Bytes left for the KV cache (negative when the weights and workspace alone overflow)."""
-  return int(m.bytes_limit * fraction) - m.bytes_in_use - m.workspace_bytes
+  return int(m.bytes_limit * fraction) - m.bytes_in_use - m.workspace_bytes - m.ring_bytes
 
 
 def kv_pages_for_memory(*, bytes_limit: int, bytes_in_use: int, workspace_bytes: int,
                         page_bytes: int, fraction: float, max_seqs: int, max_context: int,
-                        page_size: int) -> int:
+                        page_size: int, ring_bytes: int = 0) -> int:
   """KV pages for a GPU, as vLLM sizes its cache: what fits in `fraction` of `bytes_limit`
   beside the `bytes_in_use` (the weights) and the step's `workspace_bytes`, in whole pages of
   `page_bytes`, but no more than max_seqs sequences of max_context tokens can hold (more would
   never be used). Raises ValueError, with the figures, when not one max_context fits."""
-  m = DeviceMemory(bytes_limit, bytes_in_use, workspace_bytes, page_bytes)
+  m = DeviceMemory(bytes_limit, bytes_in_use, workspace_bytes, page_bytes, ring_bytes)
   room = _room(m, fraction)
   per_seq = full_context_pages(max_context, page_size, 1)
   pages = max(room, 0) // page_bytes
@@ -341,7 +368,8 @@ def kv_pages_for_memory(*, bytes_limit: int, bytes_in_use: int, workspace_bytes:
     raise ValueError(
         f"the KV cache does not fit: kv_cache_memory_fraction {fraction} of "
         f"{_gib(bytes_limit)} ({bytes_limit} bytes) less {_gib(bytes_in_use)} in use (the "
-        f"weights) and {_gib(workspace_bytes)} of step workspace leaves {pages} pages of "
+        f"weights), {_gib(workspace_bytes)} of step workspace and {_gib(ring_bytes)} of window "
+        f"rings leaves {pages} pages of "
         f"{page_bytes} bytes; one sequence of max_context={max_context} needs {per_seq} "
         f"({_gib(per_seq * page_bytes)}). Raise kv_cache_memory_fraction, lower max_context "
         "or serve a smaller model or dtype")

@@ -324,6 +324,20 @@ def test_multi_turn_turns_wait_for_the_previous_answer(server, tmp_path):
       assert reqs[k]["start_s"] >= reqs[k - 1]["start_s"] + reqs[k - 1]["e2e_s"]
 
 
+def test_fresh_prompts_give_each_rate_its_own_set(server, tmp_path):
+  base_url, dc = server
+  for fresh in (False, True):
+    out = tmp_path / f"fresh{fresh}.json"
+    _run_tool("--base-url", base_url, "--api-key", API_KEY, "--num-prompts", "6", "--rates",
+              "100,inf", "--vocab-size", str(dc.vocab_size), "--max-tokens", "2",
+              "--max-input-len", "200", "--no-plot", "--out", str(out),
+              *(["--fresh-prompts"] if fresh else []))
+    doc = json.loads(out.read_text())
+    assert doc["fresh_prompts"] == fresh
+    first, second = ([r["input_len"] for r in reqs] for reqs in doc["requests"].values())
+    assert (first == second) == (not fresh), (fresh, first, second)
+
+
 def test_power_sampler_integrates_nvml_power(monkeypatch):
   """A stand-in pynvml: two GPUs at 100 W each -> ~200 W times the run's length."""
   import types

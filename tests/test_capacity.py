@@ -102,7 +102,7 @@ def test_the_startup_line_says_what_was_chosen_and_why():
 # ---- the engine's and the executor's side, stubbed (no GPU here) ----
 
 class _Executor:
-  workspace_bytes, page_bytes = MEM.workspace_bytes, MEM.page_bytes
+  workspace_bytes, page_bytes, ring_bytes = MEM.workspace_bytes, MEM.page_bytes, 0
 
   def __init__(self):
     self.sched = types.SimpleNamespace(num_pages=256 * 256)

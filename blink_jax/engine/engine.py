@@ -160,7 +160,8 @@ class Engine:
       raise ValueError(f"tokenizer has {tokenizer.vocab_size} pieces but the model only "
                        f"{cfg.vocab_size} embeddings")
     self.device = device or jax.devices()[0]
-    c = self.config = asked.resolved(cfg.max_context, self.device.platform)
+    c = self.config = asked.resolved(cfg.max_context, self.device.platform,
+                                     cfg.sliding_window if cfg.global_every > 1 else None)
     self.model_cfg, self.tokenizer, self.mode = cfg, tokenizer, c.mode
     self.model_name, self.tokenizer_path = model_name, tokenizer_path
     self.dtype = str(np.dtype(model.dtype))
@@ -214,7 +215,9 @@ class Engine:
         vocab_size=cfg.vocab_size, max_seqs=c.max_seqs, max_context=c.max_context,
         page_size=c.page_size, num_pages=pages, buckets=c.buckets,
         eos_ids=self.eos_ids, idle_poll_us=c.idle_poll_us, arena_tokens=self.geo.arena_tokens,
-        min_step_interval_us=c.min_step_interval_us, prefix_caching=int(c.prefix_caching))
+        min_step_interval_us=c.min_step_interval_us, prefix_caching=int(c.prefix_caching),
+        window=cfg.sliding_window if c.windowed_pages else 0,
+        window_pages=c.window_pages(cfg.sliding_window) if c.windowed_pages else 0)
     self.executor = Executor(model, self.sched, max_top_logprobs=c.max_top_logprobs,
                              device=self.device,
                              kernels=asked.kernels)  # "auto" kept: it may fall back
@@ -243,7 +246,8 @@ class Engine:
       raise ValueError(f"{self.device} reports no memory figures (memory_stats): set kv_pages")
     memory = DeviceMemory(bytes_limit=int(stats["bytes_limit"]),
                           bytes_in_use=int(stats.get("bytes_in_use", 0)),
-                          workspace_bytes=ex.workspace_bytes, page_bytes=ex.page_bytes)
+                          workspace_bytes=ex.workspace_bytes, page_bytes=ex.page_bytes,
+                          ring_bytes=ex.ring_bytes)
     pages = kv_pages_for_memory(**dataclasses.asdict(memory),
                                 fraction=c.kv_cache_memory_fraction, max_seqs=c.max_seqs,
                                 max_context=c.max_context, page_size=c.page_size)

@@ -28,7 +28,7 @@ from blink_jax.engine_config import KernelOptions
 from blink_jax.executor import xla_flags
 from blink_jax.executor.loop_report import XLA_OP_BY_OP_LINE, capture_stderr, command_buffer_report
 from blink_jax.kernels.select import step_kernels
-from blink_jax.model.gemma import Gemma, init_kv_cache, kv_page_bytes
+from blink_jax.model.gemma import Gemma, init_kv_cache, kv_page_bytes, ring_bytes
 from blink_jax.model.sampling import sample, top_n
 from blink_jax.native import batch, ffi
 
@@ -146,8 +146,20 @@ class Executor:
 
   @property
   def page_bytes(self) -> int:
-    """Device bytes of one KV page (every layer's keys and values, in `kv_dtype`)."""
-    return kv_page_bytes(self.model.cfg, self.sched.page_size, self.kv_dtype)
+    """Device bytes of one KV page (every layer's keys and values, in `kv_dtype`; with
+    windowed pages the global layers')."""
+    return kv_page_bytes(self.model.cfg, self.sched.page_size, self.kv_dtype,
+                         windowed=self.sched.window > 0)
+
+  @property
+  def ring_pages(self) -> int:
+    """Pages of the sliding-window layers' rings, all lanes together (0: not windowed)."""
+    return self.sched.max_seqs * self.sched.window_pages if self.sched.window > 0 else 0
+
+  @property
+  def ring_bytes(self) -> int:
+    """Device bytes of those rings (fixed by max_seqs, whatever the page count)."""
+    return ring_bytes(self.model.cfg, self.sched.page_size, self.ring_pages, self.kv_dtype)
 
   @property
   def workspace_bytes(self) -> int:
@@ -172,7 +184,8 @@ class Executor:
           state=jnp.asarray(ffi.initial_state(s)),
           history=jnp.zeros((s.max_seqs, s.max_context), jnp.int32),
           page_table=jnp.zeros((s.max_seqs, s.max_pages_per_seq), jnp.int32),
-          kv=init_kv_cache(self.model.cfg, s.num_pages, s.page_size, self.kv_dtype),
+          kv=init_kv_cache(self.model.cfg, s.num_pages, s.page_size, self.kv_dtype,
+                           ring_pages=self.ring_pages),
           shutdown=jnp.zeros((), jnp.int32))
 
   # ---- one step ----
@@ -187,7 +200,8 @@ class Executor:
       kernels = step_kernels(model.cfg, self.kernels, rows,
                              interpret=not self.on_gpu)
       hidden, kv = model.forward(b.tokens, b.positions, b.seq_ids, page_table, kv, kernels,
-                                 fused=fused)
+                                 fused=fused, window_pages=s.window_pages if s.window else 0,
+                                 local_only=b.local_only)
       h = hidden[jnp.clip(b.rows, 0, rows - 1)]
       f32 = lambda bits: lax.bitcast_convert_type(bits, jnp.float32)  # noqa: E731
 

@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from flax import nnx
 
 from blink_jax.model.attention import (MASK_VALUE, apply_softcap, cache_slots, kv_rows,
@@ -331,7 +332,8 @@ class Gemma(nnx.Module):
 
   def forward(self, tokens: jax.Array, positions: jax.Array, seq_ids: jax.Array,
               page_table: jax.Array, kv_cache: KVCache, kernels: "StepKernels | None" = None,
-              fused: Sequence[tuple[jax.Array, jax.Array]] | None = None
+              fused: Sequence[tuple[jax.Array, jax.Array]] | None = None,
+              window_pages: int = 0, local_only: jax.Array | None = None
               ) -> tuple[jax.Array, KVCache]:
     """One ragged paged step (docs/ARCHITECTURE.md, "Ragged paged forward"): tokens, positions,
     seq_ids [T] int32,
@@ -343,24 +345,41 @@ class Gemma(nnx.Module):
     `Block.fused_weights`, made once by the caller (the executor does, so no step
     concatenates weights; without them every step does, which inside the serving loop XLA
     hoists but a host-driven step cannot).
+    window_pages: windowed pages (docs/ARCHITECTURE.md, "Windowed pages"): the sliding-window
+    layers' caches are rings of that many pages per sequence (`init_kv_cache`), read and
+    written through `ring_page_table`; 0: every layer's cache is paged by page_table.
+    local_only [T]: rows (nonzero) whose K/V only the sliding-window layers write: the
+    scheduler's recompute of tokens whose global-layer K/V lie in shared cached pages.
     """
     kernels = REFERENCE_KERNELS if kernels is None else kernels
     if len(kv_cache) != len(self.layers):
       raise ValueError(f"{len(kv_cache)} KV caches for {len(self.layers)} layers")
     new_cache = []
     tables = {}  # (base, scale) -> cos, sin: computed once per step, not once per layer
-    slots = cache_slots(page_table, seq_ids, positions, *kv_cache[0].shape[:2])
+    glob = next(i for i in range(len(self.layers)) if self.cfg.is_global(i)) \
+        if window_pages else 0
+    slots = cache_slots(page_table, seq_ids, positions, *kv_cache[glob].shape[:2])
+    if local_only is not None:  # one past the end: the write is dropped
+      slots = jnp.where(local_only != 0, kv_cache[glob].shape[0] * kv_cache[glob].shape[1],
+                        slots)
+    tables_of = lambda i: (page_table, slots)  # noqa: E731
+    if window_pages:
+      ring = ring_page_table(page_table.shape[0], page_table.shape[1], window_pages)
+      local = (ring, cache_slots(ring, seq_ids, positions, page_table.shape[0] * window_pages,
+                                 kv_cache[glob].shape[1]))
+      tables_of = lambda i: (page_table, slots) if self.cfg.is_global(i) else local  # noqa: E731
 
     def attend(i, layer, y):
       attn = layer.attn
+      table, layer_slots = tables_of(i)
       key = (attn.rope_base, attn.rope_scale)
       if key not in tables:
         tables[key] = attn.rope_tables(positions)
       qkv = attn.project(y, None if fused is None else fused[i][0], kernels.qkv_matmul)
       q, kv_pages = kernels.prepare(qkv, *tables[key], *attn.norm_weights(), attn.eps,
-                                    kv_cache[i], slots, **attn.heads())
+                                    kv_cache[i], layer_slots, **attn.heads())
       new_cache.append(kv_pages)
-      return kernels.attention(q, kv_pages, page_table, seq_ids, positions,
+      return kernels.attention(q, kv_pages, table, seq_ids, positions,
                                **attn.attention_kwargs())
     x = self._run_layers(self.embed_tokens(tokens), attend, kernels,
                          None if fused is None else [f[1] for f in fused])
@@ -429,20 +448,41 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | N
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int,
-                  dtype: Any = jnp.bfloat16) -> KVCache:
+                  dtype: Any = jnp.bfloat16, *, ring_pages: int = 0) -> KVCache:
   """Zeroed per-layer kv_pages [num_pages, page_size, 2 * K * h]: a row holds a token's keys
   (K heads side by side), then its values, so writing a token is one contiguous row. Heads
   share the last axis: with a [.., K, h] shape and K == 1 (Gemma 3 270M and 1B) XLA's CPU
-  layout assignment moved the size-1 axis around and copied the whole cache every step."""
-  shape = (num_pages, page_size, 2 * cfg.num_kv_heads * cfg.head_dim)
-  return [jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)]
+  layout assignment moved the size-1 axis around and copied the whole cache every step.
+  ring_pages: windowed pages, the sliding-window layers' rings of all sequences together
+  (max_seqs * window_pages pages) instead of num_pages."""
+  def shape(layer):
+    pages = ring_pages if ring_pages and not cfg.is_global(layer) else num_pages
+    return (pages, page_size, 2 * cfg.num_kv_heads * cfg.head_dim)
+  return [jnp.zeros(shape(i), dtype) for i in range(cfg.num_layers)]
 
 
-def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype: Any = jnp.bfloat16) -> int:
+def ring_page_table(max_seqs: int, max_pages: int, window_pages: int) -> jax.Array:
+  """The sliding-window layers' page table under windowed pages: sequence s's page i is ring
+  page s * window_pages + i % window_pages, so its last window_pages pages are in the ring
+  (the scheduler caps chunks so that a step never overwrites a key its rows still read)."""
+  seq = lax.broadcasted_iota(jnp.int32, (max_seqs, max_pages), 0)
+  page = lax.broadcasted_iota(jnp.int32, (max_seqs, max_pages), 1)
+  return seq * window_pages + page % window_pages
+
+
+def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype: Any = jnp.bfloat16, *,
+                  windowed: bool = False) -> int:
   """Device bytes one page of `init_kv_cache` costs: keys and values of page_size tokens in
-  every layer (sliding-window layers too: each layer holds the full page count)."""
-  return cfg.num_layers * page_size * 2 * cfg.num_kv_heads * cfg.head_dim * \
-      jnp.dtype(dtype).itemsize
+  every layer or, with windowed pages, in the global layers (the others hold rings)."""
+  layers = sum(cfg.is_global(i) for i in range(cfg.num_layers)) if windowed else cfg.num_layers
+  return layers * page_size * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def ring_bytes(cfg: ModelConfig, page_size: int, ring_pages: int,
+               dtype: Any = jnp.bfloat16) -> int:
+  """Device bytes of the sliding-window layers' rings (`init_kv_cache(ring_pages=...)`)."""
+  return (kv_page_bytes(cfg, page_size, dtype)
+          - kv_page_bytes(cfg, page_size, dtype, windowed=True)) * ring_pages
 
 
 def _str_keys(tree: Any) -> Any:
