@@ -95,3 +95,27 @@ def test_gpu_sampling_reproduces_with_seed():
     a = eng.generate(prompt_token_ids=[9, 8, 7], sampling=sp).token_ids
     b = eng.generate(prompt_token_ids=[[1, 2], [9, 8, 7], [3] * 40], sampling=sp)[1].token_ids
     assert a == b
+
+
+def test_gpu_windowed_pages_tokens_equal_cpu_full_pages():
+  # Windowed pages (docs/ARCHITECTURE.md, "Windowed pages") on the device, through the Pallas
+  # attention and prefill kernels: the sliding-window layers read and write their per-lane
+  # rings, the global layers skip local_only rows of a prefix hit (three prompts share 40
+  # tokens); the CPU engine pages every layer in full.
+  cfg = tiny_config("gemma3", vocab_size=512, num_layers=6)
+  rng = np.random.default_rng(7)
+  shared = [int(t) for t in rng.integers(3, 512, 40)]
+  prompts = [shared + [int(t) for t in rng.integers(3, 512, n)] for n in (1, 9, 60)] + \
+      [[int(t) for t in rng.integers(3, 512, 90)]]
+  sp = SamplingParams(max_tokens=20, ignore_eos=True)
+  outs = {}
+  for dev, windowed in ((jax.devices("cpu")[0], False), (gpus()[0], True)):
+    with jax.default_device(dev):
+      model = Gemma(cfg, dtype=jnp.float32, rngs=nnx.Rngs(9))
+    with Engine(model, None, device=dev, attention="pallas", prefill="pallas", decode_rows=4,
+                windowed_pages=windowed, **KW) as eng:
+      assert (eng.executor.ring_pages > 0) == windowed
+      outs[dev.platform] = [o.token_ids for o in eng.generate(prompt_token_ids=prompts,
+                                                             sampling=sp)]
+      assert eng.stats()["pages_in_use"] == 0
+  assert outs["cpu"] == outs["gpu"]
