@@ -32,7 +32,8 @@ def define_flags() -> None:
   flags.DEFINE_integer("page_size", 16, "KV page size")
   flags.DEFINE_integer("window_chunk", 512, "windowed pages: prompt tokens a sequence computes "
                        "per step")
-  flags.DEFINE_integer("output_len", 16, "tokens generated per request")
+  flags.DEFINE_integer("output_len", 1024, "tokens generated per request: long enough that the "
+                       "first request still decodes when the last one finished its prefill")
   flags.DEFINE_list("modes", ["full", "windowed"], "full: every layer paged; windowed pages")
   flags.DEFINE_bool("run", True, "serve the requests (--norun: the arithmetic alone)")
   flags.DEFINE_string("out", "bench/results/window_capacity.json", "JSON result file")
@@ -99,7 +100,7 @@ def serve(cfg_name: str, n: int, *, context: int, page_size: int, windowed: bool
     kv_bytes = eng.sched.num_pages * eng.executor.page_bytes + eng.executor.ring_bytes
   return {"requests": n, "engine_start_s": round(started, 1), "wall_s": round(wall, 2),
           "peak_running": peak["running"], "peak_pages_in_use": peak["pages_in_use"],
-          "preemptions": stats["preemptions"], "finished": stats["requests_finished"],
+          "all_ran_at_once": peak["running"] == n, "preemptions": stats["preemptions"], "finished": stats["requests_finished"],
           "all_full_length": all(len(o.token_ids) == output_len for o in outs),
           "prompt_tokens": stats["prompt_tokens"], "kv_bytes": kv_bytes,
           "prompt_tokens_per_s": round(stats["prompt_tokens"] / wall)}
