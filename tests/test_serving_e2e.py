@@ -115,6 +115,23 @@ def test_chat_and_bad_input_keep_serving(tiny_stack):
   assert client.completions.create(model="tiny-real", prompt="x", max_tokens=3).usage
 
 
+
+def test_repeated_prompt_reports_cached_tokens_and_keeps_its_text(tiny_stack):
+  # Prefix caching is on by default: the second request's prompt comes from the cache, in
+  # whole pages of 8 leaving its last token to compute, and its greedy text is the first's.
+  model, tok, engine, client = tiny_stack
+  prompt = "zebras run over the lazy dog and far away into the woods"  # no other test's prefix
+  n_prompt = len(tok.encode(prompt, add_bos=True))
+  assert n_prompt > 9
+  kw = dict(model="tiny-real", prompt=prompt, max_tokens=6, temperature=0,
+            extra_body={"ignore_eos": True})
+  first, second = (client.completions.create(**kw) for _ in range(2))
+  assert first.usage.prompt_tokens_details.cached_tokens == 0
+  assert second.usage.prompt_tokens_details.cached_tokens == 8 * ((n_prompt - 1) // 8)
+  assert second.choices[0].text == first.choices[0].text == tok.decode(
+      _dense_greedy(model, tok.encode(prompt, add_bos=True), 6))
+  assert engine.stats()["pages_in_use"] == 0
+
 @pytest.mark.slow
 def test_bundled_gemma_through_http_matches_hf(gemma_dir, hf_gemma, tmp_path):
   torch = pytest.importorskip("torch")
