@@ -257,14 +257,19 @@ class Block(nnx.Module):
     self.eps = cfg.rms_norm_eps
 
   def ffw(self, x: jax.Array, attn: Any, kernels: "StepKernels",
-          gate_up: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+          gate_up: jax.Array | None = None,
+          tp_axis: str | None = None) -> tuple[jax.Array, jax.Array]:
     """Residual stream and attention output [..., H, h] -> the residual stream after the
     attention and the MLP's output (before its post-FFW norm and add; `kernels.ffw_down` may
     hand it as partial sums, see `add_rms_norm`). gate_up: `MLP.gate_up_weight`, if made
     already. `kernels.out_project` projects the attention's output instead of
-    `Attention.out`, maybe as partial sums."""
+    `Attention.out`, maybe as partial sums. tp_axis: the weights are a shard of the heads and
+    of the hidden dimension; the output projection is summed over that axis here, the MLP's
+    by the caller."""
     branch = (self.attn.out(attn) if kernels.out_project is None
               else kernels.out_project(attn, self.attn.o[...], x.dtype))
+    if tp_axis is not None:
+      branch = lax.psum(branch, tp_axis)
     x, y = kernels.add_norm(x, branch, self.post_attn_norm[...], self.pre_ffw_norm[...],
                             self.eps)
     return x, kernels.ffw_down(self.mlp.gate_up(y, gate_up, kernels.gate_up_matmul),
@@ -287,6 +292,10 @@ class Gemma(nnx.Module):
     param_dtype = dtype if param_dtype is None else param_dtype
     self.cfg = cfg
     self.dtype = jnp.dtype(dtype)
+    # Tensor parallelism (docs/ARCHITECTURE.md, "Tensor parallelism (design)"): the mesh axis
+    # this model's weights are split over inside a shard_map (model/tensor_parallel.py), or
+    # None. With it the weights are one device's shard and the forward adds the collectives.
+    self.tp_axis: str | None = None
     self.embed = _normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.d_model**-0.5, param_dtype)
     self.final_norm = _norm_weight(rngs, cfg.d_model, param_dtype)
     self.layers = nnx.List(
@@ -327,7 +336,14 @@ class Gemma(nnx.Module):
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
     """tokens [...] -> [..., D]: rows of the embedding times sqrt(D), both in the activation
     dtype first (as the references do: in bf16, sqrt(D) itself is rounded)."""
-    x = jnp.take(self.embed[...], tokens, axis=0, mode="clip").astype(self.dtype)
+    if self.tp_axis is None:
+      x = jnp.take(self.embed[...], tokens, axis=0, mode="clip").astype(self.dtype)
+    else:  # this device's vocabulary rows: the others' tokens give zeros, summed over tp
+      rows = self.embed.shape[0]
+      local = tokens - lax.axis_index(self.tp_axis) * rows
+      mine = (local >= 0) & (local < rows)
+      x = jnp.take(self.embed[...], jnp.clip(local, 0, rows - 1), axis=0).astype(self.dtype)
+      x = lax.psum(jnp.where(mine[..., None], x, jnp.zeros((), x.dtype)), self.tp_axis)
     return x * jnp.asarray(math.sqrt(self.cfg.d_model), self.dtype)
 
   def forward(self, tokens: jax.Array, positions: jax.Array, seq_ids: jax.Array,
@@ -400,7 +416,9 @@ class Gemma(nnx.Module):
     y = rms_norm(x, layers[0].pre_attn_norm[...], eps)
     for i, layer in enumerate(layers):
       x, h = layer.ffw(x, attend(i, layer, y), kernels,
-                       None if gate_ups is None else gate_ups[i])
+                       None if gate_ups is None else gate_ups[i], self.tp_axis)
+      if self.tp_axis is not None:  # the down projection's sum over the hidden shards
+        h = lax.psum(h, self.tp_axis)
       if i + 1 < len(layers):
         x, y = kernels.add_norm(x, h, layer.post_ffw_norm[...],
                                 layers[i + 1].pre_attn_norm[...], eps)
@@ -417,6 +435,8 @@ class Gemma(nnx.Module):
                           preferred_element_type=jnp.float32)
     else:
       logits = logits_fn(x, self.embed[...])
+    if self.tp_axis is not None:  # each device's vocabulary shard, in vocabulary order
+      logits = lax.all_gather(logits, self.tp_axis, axis=logits.ndim - 1, tiled=True)
     return apply_softcap(logits, self.cfg.final_logit_softcap)
 
   def dense_forward(self, tokens: jax.Array) -> jax.Array:
