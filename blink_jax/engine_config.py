@@ -166,6 +166,11 @@ class EngineConfig:
   window_chunk: int | None = _field(
       None, "With windowed_pages: the most prompt tokens one sequence computes in a step "
       "(its ring holds window - 1 + window_chunk tokens; default: the model's window).")
+  tensor_parallel: int = _field(
+      1, "Devices the weights and the KV cache are split over (attention heads, MLP hidden "
+      "units, vocabulary), like vLLM's --tensor-parallel-size: one persistent loop, the first "
+      "device scheduling for all (docs/ARCHITECTURE.md, \"Tensor parallelism (design)\"); "
+      "persistent mode only.")
   frontend_workers: int = _field(0, "Frontend worker processes that share the mailbox "
                                  "(slot ranges 0..N-1; the engine's own generate() is N).")
   warm_up: bool | None = _field(None, "Serve a workload that takes every bucket branch "
@@ -179,7 +184,7 @@ class EngineConfig:
         return
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    for name in ("page_size", "num_slots", "ring_capacity"):
+    for name in ("page_size", "num_slots", "ring_capacity", "tensor_parallel"):
       positive(name)
     for name in ("max_seqs", "kv_pages", "max_context", "max_num_batched_tokens",
                  "prompt_arena_tokens", "window_chunk"):
@@ -195,6 +200,9 @@ class EngineConfig:
       raise ValueError(f"max_context must be at least 2, got {self.max_context}")
     if self.mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+    if self.tensor_parallel > 1 and self.mode != "persistent":
+      raise ValueError(f"tensor_parallel={self.tensor_parallel} runs the persistent loop "
+                       f"only, not mode={self.mode!r}")
     if (self.idle_poll_us is not None and self.idle_poll_us < 0) or self.frontend_workers < 0:
       raise ValueError("idle_poll_us and frontend_workers must be >= 0")
     for name in ("prefix_caching", "windowed_pages"):

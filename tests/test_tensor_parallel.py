@@ -1,7 +1,9 @@
-"""Tensor parallelism of the model (docs/ARCHITECTURE.md, "Tensor parallelism (design)"): the
-ragged paged step with its weights and KV cache split over 2 and 4 host devices gives the
-single-device step's hidden states, logits and cache contents. XLA's CPU backend makes several
-devices only when told before JAX starts, so each check runs in a fresh interpreter."""
+"""Tensor parallelism (docs/ARCHITECTURE.md, "Tensor parallelism (design)"): the ragged paged
+step with its weights and KV cache split over 2 and 4 host devices gives the single-device
+step's hidden states, logits and cache contents; the engine's persistent loop over them (one
+leader scheduling) gives the single-device engine's greedy tokens under arrivals while steps
+run, cancellations and preemption. XLA's CPU backend makes several devices only when told
+before JAX starts, so each check runs in a fresh interpreter."""
 from __future__ import annotations
 
 import os
@@ -65,15 +67,102 @@ def check_split_step_equals_single_device(n: int) -> None:
       np.testing.assert_allclose(split[:, :, d], ref[:, :, :, heads], rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_split_step_equals_single_device(n):
+def check_engine_tokens_equal_single_device(n: int) -> None:
+  """Requests arriving from threads while steps run, more than the lanes and the pages hold
+  (preemption), beside a frontend client that submits long requests and cancels them
+  mid-step: every finished request's greedy tokens are the single-device engine's, the
+  cancelled ones end cancelled, and every page comes back."""
+  import threading
+  import time
+
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from blink_jax import Engine, SamplingParams
+  from blink_jax.client import mailbox as M
+  from blink_jax.client import protocol as PR
+  from blink_jax.model.gemma import Gemma
+
+  cfg = tiny_config("gemma3", vocab_size=512)
+  model = Gemma(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
+  kw = dict(max_seqs=4, page_size=4, max_context=96, num_slots=16, ring_capacity=16,
+            buckets=(4, 16, 32), max_top_logprobs=0, idle_poll_us=100, kv_pages=24)
+  rng = np.random.default_rng(1)
+  prompts = [[int(t) for t in rng.integers(3, 512, k)] for k in (1, 7, 30, 60, 5, 44, 13, 2)]
+  sp = SamplingParams(max_tokens=16, ignore_eos=True)
+  with Engine(model, None, **kw) as eng:
+    want = [o.token_ids for o in eng.generate(prompt_token_ids=prompts, sampling=sp)]
+
+  with Engine(model, None, tensor_parallel=n, frontend_workers=1, warm_up=True, **kw) as eng:
+    client = M.MailboxClient(eng.region, 0, 2)  # a frontend worker beside generate()
+    got, cancelled = {}, []
+
+    def caller(i):
+      time.sleep(0.05 * i)  # arrivals while earlier requests run
+      got[i] = eng.generate(prompt_token_ids=prompts[i], sampling=sp).token_ids
+
+    def frontend():
+      for k in range(3):
+        slot = client.submit(M.Request(prompt=[int(t) for t in rng.integers(3, 512, 20)],
+                                       max_tokens=60, ignore_eos=True))
+        time.sleep(0.1 + 0.05 * k)
+        client.cancel(slot)
+        deadline = time.monotonic() + 60
+        while (out := client.poll(slot)).finish_reason == PR.Finish.NONE:
+          assert time.monotonic() < deadline, "cancel not finished"
+          time.sleep(0.01)
+        cancelled.append(out.finish_reason)
+        client.release(slot)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(len(prompts))]
+    threads.append(threading.Thread(target=frontend))
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(300)
+      assert not t.is_alive(), "hung"
+    stats = eng.stats()
+  assert [got[i] for i in range(len(prompts))] == want
+  assert cancelled and all(r in (PR.Finish.CANCELLED, PR.Finish.LENGTH) for r in cancelled)
+  assert PR.Finish.CANCELLED in cancelled
+  assert stats["preemptions"] > 0 and stats["pages_in_use"] == 0
+
+
+def _in_interpreter_with_devices(n: int, check: str) -> None:
   env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
          "JAX_PLATFORMS": "cpu"}
-  code = ("from tests.test_tensor_parallel import check_split_step_equals_single_device as c; "
-          f"c({n})")
+  code = f"from tests.test_tensor_parallel import {check} as c; c({n})"
   r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                      text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-4000:]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_split_step_equals_single_device(n):
+  _in_interpreter_with_devices(n, "check_split_step_equals_single_device")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_engine_tokens_equal_single_device(n):
+  _in_interpreter_with_devices(n, "check_engine_tokens_equal_single_device")
+
+
+def test_tensor_parallel_needs_the_devices_and_the_persistent_loop():
+  from blink_jax.engine_config import EngineConfig
+  with pytest.raises(ValueError, match="persistent loop only"):
+    EngineConfig(tensor_parallel=2, mode="host")
+  with pytest.raises(ValueError, match="tensor_parallel must be an integer >= 1"):
+    EngineConfig(tensor_parallel=0)
+  import jax
+  import jax.numpy as jnp
+  from blink_jax import Engine
+  from blink_jax.model.gemma import Gemma
+  model = Gemma(tiny_config("gemma3"), dtype=jnp.float32)
+  n = len(jax.devices("cpu")) + 1
+  with pytest.raises(ValueError, match=f"tensor_parallel={n} needs that many cpu devices"):
+    Engine(model, None, tensor_parallel=n, max_seqs=2, max_context=32, kv_pages=16,
+           device=jax.devices("cpu")[0])
 
 
 def test_a_shape_that_does_not_split_names_its_sizes():

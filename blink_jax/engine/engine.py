@@ -219,14 +219,16 @@ class Engine:
         window=cfg.sliding_window if c.windowed_pages else 0,
         window_pages=c.window_pages(cfg.sliding_window) if c.windowed_pages else 0)
     self.executor = Executor(model, self.sched, max_top_logprobs=c.max_top_logprobs,
-                             device=self.device,
+                             device=self.device, tensor_parallel=c.tensor_parallel,
                              kernels=asked.kernels)  # "auto" kept: it may fall back
     memory = None
     if c.kv_pages is None:
       memory = self._size_kv_cache()
       c = self.config
+    devices = (str(self.device) if c.tensor_parallel == 1 else
+               f"{', '.join(map(str, self.executor.mesh.devices.flat))} (tensor parallel)")
     log.info("engine: model %s (%s, %d layers), dtype %s, device %s", self.model_name,
-             cfg.name, cfg.num_layers, self.dtype, self.device)
+             cfg.name, cfg.num_layers, self.dtype, devices)
     log.info("engine config: %s", c.describe(memory))
     carry = self.executor.initial_carry()
     self.compiled = self.executor.compile(carry, c.mode)

@@ -7,6 +7,9 @@ scheduler state, history and page tables are the loop carry (donated). On a GPU 
 command-buffer flags the loop becomes a CUDA graph with a device-side WHILE node: after launch
 the host CPU does nothing.
 
+Tensor parallelism: the same loop under `jax.shard_map` over a mesh of devices, the first
+scheduling for all (docs/ARCHITECTURE.md, "Tensor parallelism (design)").
+
 Host mode: the same step, jitted alone, driven by a Python loop that waits for every step (the
 conventional design of JetStream and vLLM); the baseline every benchmark compares to.
 """
@@ -23,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from blink_jax.engine_config import KernelOptions
 from blink_jax.executor import xla_flags
@@ -30,6 +34,7 @@ from blink_jax.executor.loop_report import XLA_OP_BY_OP_LINE, capture_stderr, co
 from blink_jax.kernels.select import step_kernels
 from blink_jax.model.gemma import Gemma, init_kv_cache, kv_page_bytes, ring_bytes
 from blink_jax.model.sampling import sample, top_n
+from blink_jax.model.tensor_parallel import TP_AXIS, TensorParallel
 from blink_jax.native import batch, ffi
 
 log = logging.getLogger("blink_jax.executor")
@@ -77,14 +82,28 @@ class Executor:
   """Owns the device state and runs the serving loop over one mailbox."""
 
   def __init__(self, model: Gemma, sched: ffi.SchedConfig, *, max_top_logprobs: int,
-               device: jax.Device | None = None, kernels: KernelOptions | None = None):
+               device: jax.Device | None = None, kernels: KernelOptions | None = None,
+               tensor_parallel: int = 1):
     """kernels: the step's kernels (`KernelOptions`; "auto" resolved for this device, see
-    `blink_jax.kernels.select`)."""
+    `blink_jax.kernels.select`). tensor_parallel: the weights and KV cache split over that
+    many devices of `device`'s platform, `device` first (docs/ARCHITECTURE.md, "Tensor
+    parallelism (design)"); persistent mode only."""
     ffi.register_targets()
     self.model = model
     self.sched = sched
     self.max_top = max_top_logprobs
     self.device = device or jax.devices()[0]
+    self.tp = TensorParallel(model.cfg, tensor_parallel) if tensor_parallel > 1 else None
+    if self.tp is not None:
+      devices = [self.device] + [d for d in jax.devices(self.device.platform)
+                                 if d != self.device]
+      if len(devices) < tensor_parallel:
+        raise ValueError(f"tensor_parallel={tensor_parallel} needs that many "
+                         f"{self.device.platform} devices; there are {len(devices)}"
+                         + (" (XLA makes more CPU devices with XLA_FLAGS="
+                            "--xla_force_host_platform_device_count=N, set before JAX starts)"
+                            if self.device.platform == "cpu" else ""))
+      self.mesh = jax.sharding.Mesh(np.array(devices[:tensor_parallel]), (TP_AXIS,))
     # The one place the executor picks its form: on a GPU lax.switch branches, a cache in the
     # model's dtype, Pallas/CUDA kernels and the whole output layer every step; elsewhere the
     # forms XLA's CPU runtime runs well (docs/ARCHITECTURE.md, "The persistent loop").
@@ -95,22 +114,35 @@ class Executor:
     self._auto_pallas = tuple(kind for kind in ("attention", "prefill", "norm")
                               if getattr(asked, kind) == "auto"
                               and getattr(self.kernels, kind) == "pallas")
-    self.graphdef, params = nnx.split(model)
     # The weights travel as a flat tuple of arrays: jax dispatches a tuple of ~350 arrays in
     # ~70 us, the same leaves inside nnx.State objects in ~300 us (measured on CPU), a cost
     # host mode pays every step. Traced code rebuilds the State (`_model`).
-    leaves, self._params_def = jax.tree.flatten(params)
-    self.params = tuple(jax.device_put(leaves, self.device))
+    if self.tp is None:
+      self.graphdef, params = nnx.split(model)
+      leaves, self._params_def = jax.tree.flatten(params)
+      self.params = tuple(jax.device_put(leaves, self.device))
+    else:  # the model traced code sees is one device's shard (tensor_parallel.py)
+      self.graphdef, params = self.tp.split_model(model, self.mesh)
+      leaves, self._params_def = jax.tree.flatten(params)
+      self.params = tuple(leaves)
     # Each layer's q/k/v and gate/up weights side by side, made once: a step that made them
     # would copy them every step in host mode (the loop hoists such a copy; a step cannot).
-    self.fused = jax.jit(lambda p: tuple(self._model(p).fused_weights()))(self.params)
+    fused = lambda p: tuple(self._model(p).fused_weights())  # noqa: E731
+    if self.tp is not None:
+      fused = jax.shard_map(fused, mesh=self.mesh, in_specs=(self._param_specs,),
+                            out_specs=P(None, TP_AXIS), check_vma=False)
+    self.fused = jax.jit(fused)(self.params)
     # Zero outputs for empty steps and requests without logprobs, made once: a zero-fill
     # inside the loop would be a memset, which XLA cannot capture into a CUDA graph.
     n, k, r = sched.max_seqs, max_top_logprobs, sched.token_budget
     self.zeros = jax.device_put((np.zeros((n,), np.int32), np.zeros((n,), np.float32),
                                  np.zeros((n, k), np.int32), np.zeros((n, k), np.float32),
                                  np.zeros((r,), np.float32), np.zeros((r, k), np.int32),
-                                 np.zeros((r, k), np.float32)), self.device)
+                                 np.zeros((r, k), np.float32)),
+                                self.device if self.tp is None else self._replicated)
+    if self.tp is not None:  # what a follower's skipped schedule returns (no memset in the loop)
+      self.zero_words = jax.device_put(np.zeros((ffi.batch_words(sched),), np.int32),
+                                       self._replicated)
     self._make_jits()
 
   def _make_jits(self):
@@ -126,14 +158,24 @@ class Executor:
     self._loop = jax.jit(functools.partial(Executor._loop_fn, self), donate_argnums=(1,),
                          keep_unused=True)
 
+  @property
+  def _replicated(self) -> jax.sharding.NamedSharding:
+    return jax.sharding.NamedSharding(self.mesh, P())
+
+  @property
+  def _param_specs(self) -> tuple:
+    return tuple(a.sharding.spec for a in self.params)
+
   def _model(self, params: tuple) -> Gemma:
     """The model over the flat weight tuple (inside traced code)."""
     return nnx.merge(self.graphdef, jax.tree.unflatten(self._params_def, params))
 
   @property
   def inputs(self):
-    """The loop's read-only inputs: weights, the zero outputs, the fused weights."""
-    return (self.params, self.zeros, self.fused)
+    """The loop's read-only inputs: weights, the zero outputs, the fused weights and, with
+    tensor parallelism, the followers' zero batch words."""
+    base = (self.params, self.zeros, self.fused)
+    return base if self.tp is None else (*base, self.zero_words)
 
   # ---- state ----
   @property
@@ -145,10 +187,15 @@ class Executor:
     return self.model.dtype if self.on_gpu else jnp.float32
 
   @property
+  def _device_cfg(self):
+    """The model config one device holds (its shard's, with tensor parallelism)."""
+    return self.model.cfg if self.tp is None else self.tp.local_config()
+
+  @property
   def page_bytes(self) -> int:
-    """Device bytes of one KV page (every layer's keys and values, in `kv_dtype`; with
-    windowed pages the global layers')."""
-    return kv_page_bytes(self.model.cfg, self.sched.page_size, self.kv_dtype,
+    """Device bytes of one KV page on one device (every layer's keys and values, in
+    `kv_dtype`; with windowed pages the global layers'; with tensor parallelism its heads')."""
+    return kv_page_bytes(self._device_cfg, self.sched.page_size, self.kv_dtype,
                          windowed=self.sched.window > 0)
 
   @property
@@ -159,7 +206,7 @@ class Executor:
   @property
   def ring_bytes(self) -> int:
     """Device bytes of those rings (fixed by max_seqs, whatever the page count)."""
-    return ring_bytes(self.model.cfg, self.sched.page_size, self.ring_pages, self.kv_dtype)
+    return ring_bytes(self._device_cfg, self.sched.page_size, self.ring_pages, self.kv_dtype)
 
   @property
   def workspace_bytes(self) -> int:
@@ -179,11 +226,25 @@ class Executor:
 
   def initial_carry(self) -> Carry:
     s = self.sched
+    state = ffi.initial_state(s)
+    history = np.zeros((s.max_seqs, s.max_context), np.int32)
+    page_table = np.zeros((s.max_seqs, s.max_pages_per_seq), np.int32)
+    if self.tp is not None:
+      # Scheduler state, history and page table: one row per device, only the leader's used
+      # (docs/ARCHITECTURE.md, "Tensor parallelism (design)").
+      lead = jax.sharding.NamedSharding(self.mesh, P(TP_AXIS))
+      def per_device(a):
+        return jax.device_put(np.broadcast_to(a, (self.tp.n, *a.shape)), lead)
+      return Carry(
+          state=per_device(state), history=per_device(history),
+          page_table=per_device(page_table),
+          kv=self.tp.init_kv_cache(self.mesh, s.num_pages, s.page_size, self.kv_dtype,
+                                   ring_pages=self.ring_pages),
+          shutdown=jax.device_put(np.zeros((), np.int32), self._replicated))
     with jax.default_device(self.device):
       return Carry(
-          state=jnp.asarray(ffi.initial_state(s)),
-          history=jnp.zeros((s.max_seqs, s.max_context), jnp.int32),
-          page_table=jnp.zeros((s.max_seqs, s.max_pages_per_seq), jnp.int32),
+          state=jnp.asarray(state), history=jnp.asarray(history),
+          page_table=jnp.asarray(page_table),
           kv=init_kv_cache(self.model.cfg, s.num_pages, s.page_size, self.kv_dtype,
                            ring_pages=self.ring_pages),
           shutdown=jnp.zeros((), jnp.int32))
@@ -194,7 +255,7 @@ class Executor:
     samples = min(rows, s.max_seqs)
 
     def run(params, words, page_table, kv):
-      params, zeros, fused = params
+      params, zeros, fused = params[:3]
       model = self._model(params)
       b = batch.split(words, s.token_budget, s.max_seqs, rows, samples)
       kernels = step_kernels(model.cfg, self.kernels, rows,
@@ -272,15 +333,45 @@ class Executor:
 
   def _step_fn(self, params, c: Carry) -> Carry:
     s = self.sched
-    state, history, page_table, words = schedule_call(s, c.state, c.history, c.page_table)
+    if self.tp is None:
+      state, history, page_table, words = schedule_call(s, c.state, c.history, c.page_table)
+    else:
+      # One scheduling decision (docs/ARCHITECTURE.md, "Tensor parallelism (design)"): only
+      # the leader reads the mailbox and schedules; its batch words and page table reach
+      # every device by a sum with zeros, so every device runs the same branch on the same
+      # batch, whatever the frontend writes meanwhile.
+      lead = lax.axis_index(TP_AXIS) == 0
+      state, history, page_table, words = lax.cond(
+          lead, lambda: schedule_call(s, c.state, c.history, c.page_table),
+          lambda: (c.state, c.history, c.page_table, params[3]))
+      words = lax.psum(words, TP_AXIS)
+      page_table = lax.psum(jnp.where(lead, page_table, 0), TP_AXIS)
     branches = [self._empty_branch] + [self._bucket_branch(r) for r in s.buckets]
     *outs, kv = self._select_branch(words[batch.BUCKET] + 1, branches, params, words,
                                     page_table, c.kv)
-    state, history = commit_call(s, state, history, page_table, words, *outs)
+    if self.tp is None:
+      state, history = commit_call(s, state, history, page_table, words, *outs)
+    else:  # every device sampled the same tokens from the same gathered logits
+      state, history = lax.cond(
+          lead, lambda: commit_call(s, state, history, page_table, words, *outs),
+          lambda: (state, history))
     return Carry(state, history, page_table, kv, words[batch.SHUTDOWN])
 
   def _loop_fn(self, params, c: Carry) -> Carry:
-    return lax.while_loop(lambda c: c.shutdown == 0, lambda c: self._step_fn(params, c), c)
+    loop = lambda params, c: lax.while_loop(  # noqa: E731
+        lambda c: c.shutdown == 0, lambda c: self._step_fn(params, c), c)
+    if self.tp is None:
+      return loop(params, c)
+
+    def per_device(params, c):  # this device's rows of the leader-only carry fields
+      c = loop(params, Carry(c.state[0], c.history[0], c.page_table[0], c.kv, c.shutdown))
+      return Carry(c.state[None], c.history[None], c.page_table[None], c.kv, c.shutdown)
+    rows = P(TP_AXIS)
+    carry_specs = Carry(rows, rows, rows, [self.tp.kv_spec()] * len(c.kv), P())
+    input_specs = (self._param_specs, jax.tree.map(lambda _: P(), self.zeros),
+                   jax.tree.map(lambda _: P(None, TP_AXIS), self.fused), P())
+    return jax.shard_map(per_device, mesh=self.mesh, in_specs=(input_specs, carry_specs),
+                         out_specs=carry_specs, check_vma=False)(params, c)
 
   # ---- drivers ----
   def compile(self, carry: Carry, mode: str):
@@ -303,6 +394,8 @@ class Executor:
 
   def _compile(self, carry: Carry, mode: str):
     fn = self._loop if mode == "persistent" else self._step
+    if self.tp is not None and mode != "persistent":
+      raise ValueError("tensor_parallel runs the persistent loop only (mode='persistent')")
     t0 = time.perf_counter()
     lowered = fn.lower(self.inputs, carry)
     options = {}
@@ -330,7 +423,7 @@ class Executor:
     run = self.run_persistent if mode == "persistent" else self.run_host
     # Made now, not after the run: creating any new XLA executable (even this zeros_like)
     # evicts every CUDA graph XLA holds, and the serving run would be a first execution again.
-    running = jnp.zeros_like(carry.shutdown)
+    running = jnp.zeros_like(carry.shutdown, device=carry.shutdown.sharding)
     out: dict = {}
 
     def first_execution():

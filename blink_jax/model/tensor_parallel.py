@@ -4,8 +4,8 @@ paged step under `jax.shard_map`, where each device runs `Gemma.forward` of its 
 `Gemma` of the local config: H/N query heads, the KV heads they read, F/N hidden units, V/N
 vocabulary rows) and the model adds the collectives (`Gemma.tp_axis`).
 
-Not yet here: the serving loop over the mesh (one leader scheduling, its batch broadcast),
-issue 23.
+The serving loop over the mesh (one leader scheduling, its batch broadcast) is the
+executor's (`executor/loop.py`, `Executor(tensor_parallel=N)`).
 """
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from blink_jax.model.config import ModelConfig
-from blink_jax.model.gemma import Gemma, KVCache, init_kv_cache
+from flax import nnx
+
+from blink_jax.model.gemma import Gemma, KVCache, _int_keys, init_kv_cache
 
 TP_AXIS = "tp"
 
@@ -99,6 +101,17 @@ class TensorParallel:
     split = self.split_params(params)
     return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), split,
                         self.param_specs(split))
+
+  def split_model(self, model: Gemma, mesh: Mesh) -> tuple[Any, Any]:
+    """(graphdef, state) of the model as traced code under shard_map sees it: the graph of a
+    `Gemma` of `local_config` with `tp_axis` set, its state the placed weights (`place`), so
+    `nnx.merge` inside the shard_map gives each device's shard as a model."""
+    local = nnx.eval_shape(lambda: Gemma(self.local_config(), dtype=model.dtype,
+                                         rngs=nnx.Rngs(0)))
+    local.tp_axis = TP_AXIS
+    graphdef, state = nnx.split(local)
+    nnx.replace_by_pure_dict(state, _int_keys(self.place(mesh, model.to_params())))
+    return graphdef, state
 
   def forward(self, mesh: Mesh, *, dtype: Any, **forward_kw: Any) -> Callable[..., Any]:
     """fn(params, tokens, positions, seq_ids, page_table, kv) -> (hidden [T, D], kv): the
