@@ -3,7 +3,8 @@ step with its weights and KV cache split over 2 and 4 host devices gives the sin
 step's hidden states, logits and cache contents; the engine's persistent loop over them (one
 leader scheduling) gives the single-device engine's greedy tokens under arrivals while steps
 run, cancellations and preemption. XLA's CPU backend makes several devices only when told
-before JAX starts, so each check runs in a fresh interpreter."""
+before JAX starts, so each check runs in a fresh interpreter. The bundled 270M split over 2
+devices gives the single-device engine's greedy tokens too."""
 from __future__ import annotations
 
 import os
@@ -129,10 +130,32 @@ def check_engine_tokens_equal_single_device(n: int) -> None:
   assert stats["preemptions"] > 0 and stats["pages_in_use"] == 0
 
 
-def _in_interpreter_with_devices(n: int, check: str) -> None:
+def check_bundled_gemma_tokens_equal_single_device(n: int, path: str) -> None:
+  """The bundled Gemma 3 270M (4 query heads, 1 KV head, 262k vocabulary) split n ways:
+  the single-device engine's greedy tokens (those equal transformers', test_engine_gemma)."""
+  import jax.numpy as jnp
+
+  from blink_jax import Engine, SamplingParams
+  from blink_jax.model.gemma import Gemma
+  from blink_jax.weights import checkpoint as ckpt
+
+  cfg, params = ckpt.load_checkpoint(Path(path), dtype=jnp.float32)
+  tok = ckpt.load_tokenizer(Path(path))
+  model = Gemma.from_params(cfg, params, dtype=jnp.float32)
+  prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
+  sp = SamplingParams(max_tokens=8, ignore_eos=True)
+  outs = []
+  for tp in (1, n):
+    with Engine(model, tok, tensor_parallel=tp, max_seqs=4, page_size=16, max_context=128,
+                num_slots=8, buckets=(4, 32), max_top_logprobs=0) as eng:
+      outs.append([o.token_ids for o in eng.generate(prompts, sp)])
+  assert outs[0] == outs[1], outs
+
+
+def _in_interpreter_with_devices(n: int, check: str, *args: str) -> None:
   env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
          "JAX_PLATFORMS": "cpu"}
-  code = f"from tests.test_tensor_parallel import {check} as c; c({n})"
+  code = f"from tests.test_tensor_parallel import {check} as c; c({n}, *{list(args)!r})"
   r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                      text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-4000:]
@@ -146,6 +169,12 @@ def test_split_step_equals_single_device(n):
 @pytest.mark.parametrize("n", [2, 4])
 def test_engine_tokens_equal_single_device(n):
   _in_interpreter_with_devices(n, "check_engine_tokens_equal_single_device")
+
+
+@pytest.mark.slow
+def test_bundled_gemma_tokens_equal_single_device(gemma_dir):
+  _in_interpreter_with_devices(2, "check_bundled_gemma_tokens_equal_single_device",
+                               str(gemma_dir))
 
 
 def test_tensor_parallel_needs_the_devices_and_the_persistent_loop():
