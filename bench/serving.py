@@ -495,6 +495,13 @@ DEVICE_COUNTERS = ("steps", "loop_iterations", "tokens_generated", "prompt_token
                    "prefix_cache_queries", "prefix_cache_hits")
 
 
+# The frontend's own latency histograms: their means over a rate, measured from the moment
+# the server has parsed a request, beside the client's figures (which add the load
+# generator's own delays: a way to tell the two apart under interference).
+FRONTEND_HISTOGRAMS = {"blink_frontend_time_to_first_token_seconds": "frontend_ttft",
+                       "blink_frontend_request_queue_time_seconds": "frontend_queue"}
+
+
 def scrape_device_counters(base_url: str, headers: dict) -> dict[str, float]:
   """blink_gpu_<counter>_total of the server's /metrics ({} for a server without them)."""
   import urllib.request
@@ -506,8 +513,16 @@ def scrape_device_counters(base_url: str, headers: dict) -> dict[str, float]:
   except (OSError, ValueError):
     return {}
   want = {f"blink_gpu_{c}": c for c in DEVICE_COUNTERS}
-  return {want[f.name]: s.value for f in text_string_to_metric_families(text)
-          if f.name in want for s in f.samples if s.name.endswith("_total")}
+  out = {}
+  for f in text_string_to_metric_families(text):
+    if f.name in want:
+      out.update({want[f.name]: s.value for s in f.samples if s.name.endswith("_total")})
+    elif f.name in FRONTEND_HISTOGRAMS:  # summed over the workers' samples
+      for s in f.samples:
+        if s.name.endswith(("_sum", "_count")):
+          key = FRONTEND_HISTOGRAMS[f.name] + s.name[s.name.rindex("_"):]
+          out[key] = out.get(key, 0.0) + s.value
+  return out
 
 
 class DeviceCounters:
@@ -530,7 +545,11 @@ class DeviceCounters:
     if "steps" not in d:
       return {}
     steps = d["steps"]
-    return {"device_steps": steps, "device_loop_iterations": d.get("loop_iterations"),
+    mean_ms = {}
+    for name in FRONTEND_HISTOGRAMS.values():
+      n = d.get(f"{name}_count")
+      mean_ms[f"{name}_mean_ms"] = 1e3 * d[f"{name}_sum"] / n if n else None
+    return {**mean_ms,"device_steps": steps, "device_loop_iterations": d.get("loop_iterations"),
             "device_steps_per_output_token": steps / output_tokens if output_tokens else None,
             "device_tokens_per_step": (d.get("tokens_generated", 0) + d.get("prompt_tokens", 0))
             / steps if steps else None,
