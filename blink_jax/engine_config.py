@@ -32,9 +32,13 @@ GPU_MAX_SEQS, CPU_MAX_SEQS = 256, 8
 # kv_cache_memory_fraction is not given: vLLM's --gpu-memory-utilization default.
 GPU_MEMORY_FRACTION = 0.9
 # Tokens one step may take on a GPU when max_num_batched_tokens is not given: a burst of
-# prompts prefills 2,048 tokens a step beside the decode rows. Against 256 it served 1.08x
-# the tokens/s at saturation with 2.3x lower P99 TTFT (docs/PERFORMANCE.md, "Step budget").
-GPU_BATCHED_TOKENS = 2048
+# prompts prefills 4,096 tokens a step beside the decode rows. Against 2,048 it cut the P99
+# TTFT of 200 requests at once from 367 to 160 ms at the same tokens/s, and 8,192 gave no
+# more (190 ms); against 256, 2,048 had served 1.08x the tokens/s with 2.3x lower P99 TTFT
+# (docs/PERFORMANCE.md, "Step budget").
+GPU_BATCHED_TOKENS = 4096
+# The most step sizes the scheduler is compiled for (BLINK_MAX_BUCKETS, ffi/sched_state.h).
+MAX_BUCKETS = 8
 # Default size of the mailbox's prompt arena, in tokens (32 MiB of pinned memory): 4,096
 # prompts of 2,048 tokens in flight at once, where storage inside each slot would have cost
 # num_slots x max_context (512 MiB for 4,096 slots of a 32k context).
@@ -136,7 +140,7 @@ class EngineConfig:
   max_num_batched_tokens: int | None = _field(
       None, "Tokens one step may take, like vLLM's --max-num-batched-tokens: every decoding "
       "sequence's row first, then chunks of prompts, oldest first (default: "
-      "max(2048, max_seqs) on a GPU, max(256, max_seqs) on a CPU, or the largest of buckets).")
+      "max(4096, max_seqs) on a GPU, max(256, max_seqs) on a CPU, or the largest of buckets).")
   buckets: tuple[int, ...] | None = _field(None, "Token counts the step is compiled for, the "
                                            "largest being max_num_batched_tokens (default: "
                                            "1, 8, 64, then doubling from 256 up to "
@@ -216,6 +220,8 @@ class EngineConfig:
       if not b or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in b) \
           or list(b) != sorted(set(b)):
         raise ValueError(f"buckets must be increasing integers >= 1, got {self.buckets!r}")
+      if len(b) > MAX_BUCKETS:
+        raise ValueError(f"at most {MAX_BUCKETS} buckets, got {len(b)}: {b}")
       object.__setattr__(self, "buckets", b)
       if self.max_num_batched_tokens not in (None, b[-1]):
         raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) is the "
@@ -273,10 +279,17 @@ class EngineConfig:
       # A CPU pays for every padded row (a GPU's small steps cost their weights' reading):
       # 16 and 32 there too, so a short prompt is not padded to 64 rows. Past 256 rows the
       # sizes double, so a step is padded to less than twice its tokens.
-      sizes = [1, 8, 64] if platform == "gpu" else [1, 8, 16, 32, 64]
-      while sizes[-1] < budget:
-        sizes.append(max(256, 2 * sizes[-1]))
-      buckets = tuple(sorted({min(b, budget) for b in sizes} | {budget}))
+      # Past 256 rows the sizes double, or grow 4x, 8x ... where doubling up to a large
+      # budget would need more than MAX_BUCKETS sizes.
+      growth = 2
+      while True:
+        sizes = [1, 8, 64] if platform == "gpu" else [1, 8, 16, 32, 64]
+        while sizes[-1] < budget:
+          sizes.append(max(256, growth * sizes[-1]))
+        buckets = tuple(sorted({min(b, budget) for b in sizes} | {budget}))
+        if len(buckets) <= MAX_BUCKETS:
+          break
+        growth *= 2
     if self.windowed_pages:  # a lane never computes more than a step's tokens
       window_chunk = min(window_chunk, buckets[-1])
     if buckets[-1] < max_seqs:

@@ -65,14 +65,14 @@ def test_bad_memory_fraction_is_refused(f):
 def test_resolution_by_platform():
   gpu = EngineConfig().resolved(model_max_context=32768, platform="gpu")
   assert (gpu.max_seqs, gpu.kv_pages, gpu.kv_cache_memory_fraction, gpu.buckets) == (
-      256, None, 0.9, (1, 8, 64, 256, 512, 1024, 2048))  # kv_pages: sized from the memory
+      256, None, 0.9, (1, 8, 64, 256, 512, 1024, 2048, 4096))  # kv_pages: sized from the memory
   cpu = EngineConfig().resolved(model_max_context=32768, platform="cpu")
   assert (cpu.max_seqs, cpu.kv_pages, cpu.kv_cache_memory_fraction, cpu.buckets) == (
       8, 8 * 4096 // 16, None, (1, 8, 16, 32, 64, 256))
   asked = EngineConfig(max_seqs=300, kv_cache_memory_fraction=0.5).resolved(32768, "gpu")
-  assert (asked.max_seqs, asked.kv_cache_memory_fraction, asked.buckets[-1]) == (300, 0.5, 2048)
-  many = EngineConfig(max_seqs=3000).resolved(32768, "gpu")
-  assert many.max_num_batched_tokens == 3000  # a decode row for every sequence
+  assert (asked.max_seqs, asked.kv_cache_memory_fraction, asked.buckets[-1]) == (300, 0.5, 4096)
+  many = EngineConfig(max_seqs=5000).resolved(32768, "gpu")
+  assert many.max_num_batched_tokens == 5000  # a decode row for every sequence
   given = EngineConfig(kv_pages=100).resolved(32768, "gpu")
   assert (given.kv_pages, given.kv_cache_memory_fraction) == (100, None)
   assert EngineConfig().max_seqs_on("gpu") == 256 and EngineConfig().max_seqs_on("cpu") == 8

@@ -55,7 +55,7 @@ def test_resolved_fills_model_and_device_defaults():
   # kv_pages: sized by the engine from the GPU's memory (tests/test_capacity.py)
   assert (g.max_seqs, g.kv_pages, g.kv_cache_memory_fraction) == (256, None, 0.9)
   assert g.warm_up is True and g.idle_poll_us == 200
-  assert g.buckets == (1, 8, 64, 256, 512, 1024, 2048)
+  assert g.buckets == (1, 8, 64, 256, 512, 1024, 2048, 4096)
   assert (g.kernels.attention, g.kernels.prefill, g.kernels.norm, g.kernels.gemv) == (
       "pallas", "pallas", "pallas", "qkv+out+down")
   assert KernelOptions(gemv="down+qkv").resolved("cpu").gemv == "qkv+down"
@@ -65,11 +65,16 @@ def test_resolved_fills_model_and_device_defaults():
 def test_step_token_budget_and_its_buckets():
   """max_num_batched_tokens is the largest bucket; past 256 the default buckets double."""
   gpu = lambda **kw: EngineConfig(**kw).resolved(4096, "gpu")  # noqa: E731
-  assert gpu().buckets == (1, 8, 64, 256, 512, 1024, 2048)
-  assert gpu().max_num_batched_tokens == 2048 and gpu(max_seqs=4096).max_num_batched_tokens == 4096
+  assert gpu().buckets == (1, 8, 64, 256, 512, 1024, 2048, 4096)
+  assert gpu().max_num_batched_tokens == 4096 and gpu(max_seqs=5000).max_num_batched_tokens == 5000
   assert gpu(max_num_batched_tokens=256).buckets == (1, 8, 64, 256)
   assert gpu(max_num_batched_tokens=3000).buckets == (1, 8, 64, 256, 512, 1024, 2048, 3000)
   assert gpu(max_seqs=512, max_num_batched_tokens=512).buckets == (1, 8, 64, 256, 512)
+  # A budget whose doubling sizes would pass the scheduler's 8 grows 4x (8x ...) past 256.
+  assert gpu(max_num_batched_tokens=8192).buckets == (1, 8, 64, 256, 1024, 4096, 8192)
+  assert len(gpu(max_num_batched_tokens=1 << 20).buckets) <= 8
+  with pytest.raises(ValueError, match="at most 8 buckets"):
+    EngineConfig(buckets=tuple(range(1, 10)))
   cpu = EngineConfig(max_num_batched_tokens=1000).resolved(4096, "cpu")
   assert cpu.buckets == (1, 8, 16, 32, 64, 256, 512, 1000)
   assert EngineConfig(max_num_batched_tokens=48).resolved(4096, "cpu").buckets == (

@@ -14,6 +14,7 @@ import pathlib
 import numpy as np
 
 from blink_jax.client import protocol
+from blink_jax.engine_config import MAX_BUCKETS
 
 _LIB_DIR = pathlib.Path(__file__).resolve().parents[1] / "_lib"  # CMakeLists.txt installs there
 
@@ -59,8 +60,8 @@ class SchedConfig:
   def build(cls, *, buckets: tuple[int, ...], eos_ids: tuple[int, ...] = (), **kw) -> "SchedConfig":
     if not kw.get("arena_tokens"):
       kw["arena_tokens"] = protocol.default_arena_tokens(kw["num_slots"], kw["max_prompt"])
-    if not 1 <= len(buckets) <= 8:
-      raise ValueError(f"between 1 and 8 token buckets, got {buckets}")
+    if not 1 <= len(buckets) <= MAX_BUCKETS:
+      raise ValueError(f"between 1 and {MAX_BUCKETS} token buckets, got {buckets}")
     if len(eos_ids) > 4:
       raise ValueError(f"at most 4 EOS ids, got {eos_ids}")
     b = {f"bucket{i}": v for i, v in enumerate(buckets)}
