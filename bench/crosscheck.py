@@ -5,7 +5,7 @@ side by side with their ratio. The two tools should agree within run-to-run nois
 
   python -m bench.crosscheck --base_url http://127.0.0.1:8000/v1 \\
       --tokenizer .carry/peer/tokenizer --rate 16 --label blink \\
-      --vllm_path /tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+      --vllm_path /tmp/vllm/site
 
 `--tokenizer` is the Hugging Face tokenizer folder `vllm bench serve` draws its random prompts
 with (`python -m bench.peer model_dir`); `--vllm_path` the PYTHONPATH of a vLLM install

@@ -77,14 +77,15 @@ export GPU_TEST_FILES=$(echo $GPU_TEST_FILES)
 # executor_host with BLINK_HOST_MIN_GRAPH_SIZE=1 is finding 19; model_loop with
 # ARGS=--xla_extra=... compares XLA flags (findings 20, 38).
 # The vLLM peer (issue 27), in one lease (the machine goes back 30 s after a call: each call
-# follows the last at once): eight calls that each carry one wheel part and copy it to /tmp/wh
-# (`carry: [".whl/vllm026.tar.part-NN", ".whl/SHA256SUMS"]`, command
-# `mkdir -p /tmp/wh && cp .whl/vllm026.tar.part-* /tmp/wh/`); the first also starts the build
-# in its own session (`setsid nohup bash bench/gpu_check.sh build &`), which outlives the call,
-# the last runs `bash bench/vllm_install.sh`. Then calls of `BUILD=0 bash bench/gpu_check.sh
-# serving` with SHAPES, MODES (vllm, persistent, host: one or two per call, within its 10
-# minutes; vLLM's start alone takes about 3), carrying .carry (`python -m bench.peer
-# model_dir` and the bundled tokenizer.model as .carry/tokenizer.model).
+# follows the last at once): `bash bench/vllm_payload.sh` here makes .whl/vllm026.tar.xz.part-NN
+# (3 parts of 40 MiB); each call carries one part and .whl/SHA256SUMS and starts with
+# `mkdir -p /tmp/wh && cp .whl/vllm026.tar.xz.part-* /tmp/wh/`, then does its run: the first
+# builds (`bash bench/gpu_check.sh build`, or in its own session, `setsid nohup ... &`, which
+# outlives the call) and serves blink-jax, the last runs `bash bench/vllm_install.sh` (it also
+# puts the peer's model folders in .carry/peer) and then `MODES=vllm BUILD=0 bash
+# bench/gpu_check.sh serving`. Each serving call (one or two servers, within its 10 minutes;
+# vLLM's start alone takes about 2.5) carries .carry with the bundled tokenizer.model as
+# .carry/tokenizer.model.
 declare -A RESULT CMD
 ORDER=()
 while IFS='|' read -r name result cmd; do

@@ -7,7 +7,7 @@
 #        [NUM_PROMPTS=48] [UNPINNED=gemma3-1b:persistent] [SLO_TTFT_MS=1000] [SLO_TPOT_MS=10]
 #        [SERVE_ARGS="--gemv none ..." (more serve.py flags, e.g. KernelOptions')]
 #        [BENCH_ARGS="--shared_prefix_len 1000" (more bench/serving.py flags)]
-#        [PEER_DIR=.carry/peer VLLM_SITE=/tmp/site VLLM_ARGS="..."]
+#        [PEER_DIR=.carry/peer VLLM_SITE=/tmp/vllm/site VLLM_ARGS="..."]
 #        [CROSSCHECK="vllm persistent" CROSSCHECK_RATE=16] [SINGLE=1] [INTERFERENCE=1]
 #        [TAG=name (a variant: results serving_h200_<shape>_<mode>_<TAG>_<run>.json)]
 #        OUT=dir bash bench/serving_suite.sh
@@ -16,7 +16,7 @@
 # at a time (1,024-token prompts, 256 tokens out); INTERFERENCE=0 skips the thrasher runs.
 # Mode vllm: the peer, vLLM 0.26 with random weights in the same shape (`--load-format dummy`)
 # on the engine's cores, over the same prompts, seeds and rates: its model folders come from
-# `python -m bench.peer model_dir` (PEER_DIR), its wheels from bench/vllm_install.sh (VLLM_SITE).
+# bench/vllm_install.sh (PEER_DIR), its packages too (VLLM_SITE).
 # Every result keeps the server's version and effective settings from its startup log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,8 +41,8 @@ CLIENT=${CLIENT:-$FRONT}
 ENGINE_CPUS=${ENGINE_CPUS:-2-$((NCPU - 1))}  # the engine shares these with the interference
 INT=$((2 * NCPU))
 PEER_DIR=${PEER_DIR:-.carry/peer}
-VLLM_SITE=${VLLM_SITE:-/tmp/site}
-VLLM_PATH=$VLLM_SITE:$VLLM_SITE/nvidia_cutlass_dsl/dsl_packages  # cutlass-dsl's .pth entry
+VLLM_SITE=${VLLM_SITE:-/tmp/vllm/site}  # bench/vllm_install.sh unpacks it there
+VLLM_PATH=$VLLM_SITE
 CROSSCHECK=${CROSSCHECK:-vllm persistent}
 SERVER_INFO="" SRV=""
 pack() {  # one archive (the device returns a limited number of files), refreshed after each run

@@ -1,24 +1,24 @@
 #!/usr/bin/env bash
-# Installs the carried vLLM 0.26 wheel set on the GPU machine (no network there), for the peer
-# runs of bench/serving_suite.sh (MODES=... vllm). ../shared/peers/vllm-0.26/README.md says how
-# the set is made and carried: parts .whl/vllm026.tar.part-NN, one per device call, each call
-# copying its part to $WH (outside the working tree, kept while the machine is held).
-#   WH=/tmp/wh VLLM_SITE=/tmp/site bash bench/vllm_install.sh
+# Unpacks the carried vLLM 0.26 payload on the GPU machine (no network there), for the peer
+# runs of bench/serving_suite.sh (MODES=... vllm). bench/vllm_payload.sh makes it here: parts
+# .whl/vllm026.tar.xz.part-NN, one per device call, each call copying its part to $WH (outside
+# the working tree, kept while the machine is held); this script runs after the last one:
+#   WH=/tmp/wh VLLM_ROOT=/tmp/vllm bash bench/vllm_install.sh
+# -> $VLLM_ROOT/site (VLLM_SITE for serving_suite.sh) and the peer's model folders in
+#    .carry/peer (its PEER_DIR).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WH=${WH:-/tmp/wh}
-SITE=${VLLM_SITE:-/tmp/site}
-mkdir -p "$WH"
-cp -n .whl/vllm026.tar.part-* "$WH/" 2>/dev/null || true
-if [ ! -d "$SITE/vllm" ]; then
+ROOT=${VLLM_ROOT:-/tmp/vllm}
+mkdir -p "$WH" .carry
+cp -n .whl/vllm026.tar.xz.part-* "$WH/" 2>/dev/null || true
+if [ ! -d "$ROOT/site/vllm" ]; then
   # Every part, checked, before anything is unpacked.
   (cd "$WH" && sha256sum -c "$OLDPWD/.whl/SHA256SUMS" --quiet)
-  mkdir -p "$WH/wheels"
-  cat "$WH"/vllm026.tar.part-* | tar x -C "$WH/wheels"
+  mkdir -p "$ROOT"
   t0=$SECONDS
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WH"/wheels/*.whl
-  echo "installed $(ls "$WH"/wheels/*.whl | wc -l) wheels into $SITE in $((SECONDS - t0)) s"
+  cat "$WH"/vllm026.tar.xz.part-* | xz -d -T0 | tar x -C "$ROOT"
+  echo "unpacked $(du -sh "$ROOT/site" | cut -f1) into $ROOT in $((SECONDS - t0)) s"
 fi
-# cutlass-dsl's .pth file, which --target ignores, is the second entry.
-PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages HF_HUB_OFFLINE=1 \
-  python3 -c "import vllm; print('vllm', vllm.__version__, 'imports')"
+rm -rf .carry/peer && cp -r "$ROOT/peer" .carry/peer
+PYTHONPATH=$ROOT/site HF_HUB_OFFLINE=1 python3 -c "import vllm; print('vllm', vllm.__version__, 'imports')"

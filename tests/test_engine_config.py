@@ -70,11 +70,14 @@ def test_step_token_budget_and_its_buckets():
   assert gpu(max_num_batched_tokens=256).buckets == (1, 8, 64, 256)
   assert gpu(max_num_batched_tokens=3000).buckets == (1, 8, 64, 256, 512, 1024, 2048, 3000)
   assert gpu(max_seqs=512, max_num_batched_tokens=512).buckets == (1, 8, 64, 256, 512)
-  # A budget whose doubling sizes would pass the scheduler's 8 grows 4x (8x ...) past 256.
-  assert gpu(max_num_batched_tokens=8192).buckets == (1, 8, 64, 256, 1024, 4096, 8192)
-  assert len(gpu(max_num_batched_tokens=1 << 20).buckets) <= 8
-  with pytest.raises(ValueError, match="at most 8 buckets"):
-    EngineConfig(buckets=tuple(range(1, 10)))
+  assert gpu(max_num_batched_tokens=8192).buckets == (
+      1, 8, 64, 256, 512, 1024, 2048, 4096, 8192)
+  # A budget whose doubling sizes would pass the scheduler's 12 grows 4x (8x ...) past 256.
+  assert gpu(max_num_batched_tokens=1 << 20).buckets == (
+      1, 8, 64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 20)
+  assert len(EngineConfig(buckets=tuple(range(1, 13))).buckets) == 12
+  with pytest.raises(ValueError, match="at most 12 buckets"):
+    EngineConfig(buckets=tuple(range(1, 14)))
   cpu = EngineConfig(max_num_batched_tokens=1000).resolved(4096, "cpu")
   assert cpu.buckets == (1, 8, 16, 32, 64, 256, 512, 1000)
   assert EngineConfig(max_num_batched_tokens=48).resolved(4096, "cpu").buckets == (

@@ -45,6 +45,10 @@ class SchedConfig:
   bucket5: int = 0
   bucket6: int = 0
   bucket7: int = 0
+  bucket8: int = 0
+  bucket9: int = 0
+  bucket10: int = 0
+  bucket11: int = 0
   eos0: int = -1
   eos1: int = -1
   eos2: int = -1
