@@ -78,7 +78,7 @@ export GPU_TEST_FILES=$(echo $GPU_TEST_FILES)
 # ARGS=--xla_extra=... compares XLA flags (findings 20, 38).
 # The vLLM peer (issue 27), in one lease (the machine goes back 30 s after a call: each call
 # follows the last at once): `bash bench/vllm_payload.sh` here makes .whl/vllm026.tar.xz.part-NN
-# (3 parts of 40 MiB); each call carries one part and .whl/SHA256SUMS and starts with
+# (4 parts of 30 MiB); each call carries one part and .whl/SHA256SUMS and starts with
 # `mkdir -p /tmp/wh && cp .whl/vllm026.tar.xz.part-* /tmp/wh/`, then does its run: the first
 # builds (`bash bench/gpu_check.sh build`, or in its own session, `setsid nohup ... &`, which
 # outlives the call) and serves blink-jax, the last runs `bash bench/vllm_install.sh` (it also
