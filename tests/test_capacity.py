@@ -68,7 +68,7 @@ def test_resolution_by_platform():
       256, None, 0.9, (1, 8, 16, 32, 64, 256, 512, 1024, 2048, 4096))  # kv_pages: sized from the memory
   cpu = EngineConfig().resolved(model_max_context=32768, platform="cpu")
   assert (cpu.max_seqs, cpu.kv_pages, cpu.kv_cache_memory_fraction, cpu.buckets) == (
-      8, 8 * 4096 // 16, None, (1, 8, 16, 32, 64, 256))
+      8, 8 * 4096 // 16, None, (1, 2, 4, 8, 16, 32, 64, 256))
   asked = EngineConfig(max_seqs=300, kv_cache_memory_fraction=0.5).resolved(32768, "gpu")
   assert (asked.max_seqs, asked.kv_cache_memory_fraction, asked.buckets[-1]) == (300, 0.5, 4096)
   many = EngineConfig(max_seqs=5000).resolved(32768, "gpu")

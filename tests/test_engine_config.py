@@ -49,7 +49,7 @@ def test_kernel_fields_at_the_top_level_go_to_kernel_options():
 def test_resolved_fills_model_and_device_defaults():
   c = EngineConfig(max_seqs=4).resolved(model_max_context=32768, platform="cpu")
   assert (c.max_context, c.kv_pages, c.buckets, c.warm_up, c.idle_poll_us) == (
-      4096, 4096 // 16 * 4, (1, 8, 16, 32, 64, 256), False, 50_000)
+      4096, 4096 // 16 * 4, (1, 2, 4, 8, 16, 32, 64, 256), False, 50_000)
   assert c.kernels == KernelOptions("blocked", "blocked", "reference", "none")
   g = EngineConfig(max_context=100, page_size=16).resolved(128, "gpu")
   # kv_pages: sized by the engine from the GPU's memory (tests/test_capacity.py)
@@ -81,9 +81,9 @@ def test_step_token_budget_and_its_buckets():
   with pytest.raises(ValueError, match="at most 12 buckets"):
     EngineConfig(buckets=tuple(range(1, 14)))
   cpu = EngineConfig(max_num_batched_tokens=1000).resolved(4096, "cpu")
-  assert cpu.buckets == (1, 8, 16, 32, 64, 256, 512, 1000)
+  assert cpu.buckets == (1, 2, 4, 8, 16, 32, 64, 256, 512, 1000)
   assert EngineConfig(max_num_batched_tokens=48).resolved(4096, "cpu").buckets == (
-      1, 8, 16, 32, 48)
+      1, 2, 4, 8, 16, 32, 48)
   # Given buckets: the budget is their largest.
   assert gpu(max_seqs=4, buckets=(4, 32)).max_num_batched_tokens == 32
   assert gpu(max_seqs=4, buckets=(4, 32), max_num_batched_tokens=32).buckets == (4, 32)
