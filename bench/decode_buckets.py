@@ -1,6 +1,6 @@
 """Per-token time of a few concurrent streams under different step-bucket sets, on whatever
 device JAX has: the decode rows of a step are padded to the next bucket, so 2 streams in an
-8-row bucket pay for 8 rows (docs/ARCHITECTURE.md, "One branch per token bucket").
+8-row bucket pay for 8 rows (docs/ARCHITECTURE.md, "The persistent loop").
 
 Each set gets its own engine (the buckets are compiled in); the sets run in turn, alternated
 `--rounds` times (A B A B ...). For each concurrency c: c prompts of `--prompt_tokens` at once,
