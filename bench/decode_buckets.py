@@ -70,15 +70,12 @@ def main(argv):
         samples[s, c] += got[c]
       print(f"round {r + 1} buckets {s}: " + ", ".join(
           f"{c} streams {statistics.median(got[c]):.2f} ms/token" for c in conc), flush=True)
-  rows = []
-  for s in sets:
-    for c in conc:
-      base = statistics.median(samples[sets[0], c])
-      row = {"buckets": ",".join(map(str, s)), "streams": c,
-             **C.stats(samples[s, c], "ms_per_token"),
-             "ratio_to_first_set": statistics.median(samples[s, c]) / base,
-             "startup_s_median": statistics.median(startups[s])}
-      rows.append(row)
+  base = {c: statistics.median(samples[sets[0], c]) for c in conc}
+  rows = [{"buckets": ",".join(map(str, s)), "streams": c,
+           **C.stats(samples[s, c], "ms_per_token"),
+           "ratio_to_first_set": statistics.median(samples[s, c]) / base[c],
+           "startup_s_median": statistics.median(startups[s])}
+          for s in sets for c in conc]
   print(C.table(rows, ["buckets", "streams", "ms_per_token_median", "ms_per_token_min",
                        "ms_per_token_max", "ratio_to_first_set", "startup_s_median"]))
   C.write_result(FLAGS.out, "decode_buckets", rows, {

@@ -32,8 +32,8 @@ struct BlinkSchedConfig {
   int64_t num_pages;
   int64_t token_budget;      // tokens per step (= the largest bucket)
   int64_t num_buckets;
-  int64_t bucket0, bucket1, bucket2, bucket3, bucket4, bucket5, bucket6, bucket7, bucket8, bucket9,
-      bucket10, bucket11;
+  int64_t bucket0, bucket1, bucket2, bucket3, bucket4, bucket5;  // BLINK_MAX_BUCKETS of them
+  int64_t bucket6, bucket7, bucket8, bucket9, bucket10, bucket11;
   int64_t eos0, eos1, eos2, eos3;  // -1 = unused
   int64_t idle_poll_us;      // how long an idle schedule polls the mailbox before returning
   int64_t arena_tokens;      // prompt tokens of the mailbox's arena (geometry)
@@ -68,8 +68,9 @@ struct BlinkSchedConfig {
   "mailbox", "num_slots", "max_prompt", "ring_capacity", "max_top_logprobs", "vocab_size",    \
       "max_seqs", "max_context", "page_size", "num_pages", "token_budget", "num_buckets",      \
       "bucket0", "bucket1", "bucket2", "bucket3", "bucket4", "bucket5", "bucket6", "bucket7",  \
-      "bucket8", "bucket9", "bucket10", "bucket11", "eos0", "eos1", "eos2", "eos3", "idle_poll_us", "arena_tokens",          \
-      "min_step_interval_us", "prefix_caching", "window", "window_pages"
+      "bucket8", "bucket9", "bucket10", "bucket11", "eos0", "eos1", "eos2", "eos3",            \
+      "idle_poll_us", "arena_tokens", "min_step_interval_us", "prefix_caching", "window",       \
+      "window_pages"
 #define BLINK_SCHED_CONFIG_NUM_FIELDS 34
 static_assert(sizeof(BlinkSchedConfig) == 8 * BLINK_SCHED_CONFIG_NUM_FIELDS, "config fields");
 
