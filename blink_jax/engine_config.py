@@ -38,7 +38,7 @@ GPU_MEMORY_FRACTION = 0.9
 # (docs/PERFORMANCE.md, "Step budget").
 GPU_BATCHED_TOKENS = 4096
 # The most step sizes the scheduler is compiled for (BLINK_MAX_BUCKETS, ffi/sched_state.h).
-MAX_BUCKETS = 12
+MAX_BUCKETS = 16
 # Default size of the mailbox's prompt arena, in tokens (32 MiB of pinned memory): 4,096
 # prompts of 2,048 tokens in flight at once, where storage inside each slot would have cost
 # num_slots x max_context (512 MiB for 4,096 slots of a 32k context).

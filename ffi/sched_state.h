@@ -9,7 +9,7 @@
 #include "mailbox.h"
 #include "prefix_cache.h"
 
-#define BLINK_MAX_BUCKETS 12
+#define BLINK_MAX_BUCKETS 16
 // Lanes: the decode pass packs a lane count and a page count into one 32-bit scan.
 #define BLINK_MAX_SEQS 32767
 #define BLINK_MAX_EOS 4
@@ -34,6 +34,7 @@ struct BlinkSchedConfig {
   int64_t num_buckets;
   int64_t bucket0, bucket1, bucket2, bucket3, bucket4, bucket5;  // BLINK_MAX_BUCKETS of them
   int64_t bucket6, bucket7, bucket8, bucket9, bucket10, bucket11;
+  int64_t bucket12, bucket13, bucket14, bucket15;
   int64_t eos0, eos1, eos2, eos3;  // -1 = unused
   int64_t idle_poll_us;      // how long an idle schedule polls the mailbox before returning
   int64_t arena_tokens;      // prompt tokens of the mailbox's arena (geometry)
@@ -68,10 +69,11 @@ struct BlinkSchedConfig {
   "mailbox", "num_slots", "max_prompt", "ring_capacity", "max_top_logprobs", "vocab_size",    \
       "max_seqs", "max_context", "page_size", "num_pages", "token_budget", "num_buckets",      \
       "bucket0", "bucket1", "bucket2", "bucket3", "bucket4", "bucket5", "bucket6", "bucket7",  \
-      "bucket8", "bucket9", "bucket10", "bucket11", "eos0", "eos1", "eos2", "eos3",            \
+      "bucket8", "bucket9", "bucket10", "bucket11", "bucket12", "bucket13", "bucket14",        \
+      "bucket15", "eos0", "eos1", "eos2", "eos3",                                               \
       "idle_poll_us", "arena_tokens", "min_step_interval_us", "prefix_caching", "window",       \
       "window_pages"
-#define BLINK_SCHED_CONFIG_NUM_FIELDS 34
+#define BLINK_SCHED_CONFIG_NUM_FIELDS 38
 static_assert(sizeof(BlinkSchedConfig) == 8 * BLINK_SCHED_CONFIG_NUM_FIELDS, "config fields");
 
 // Scalars of the state (int32 words after the 64-bit counters).

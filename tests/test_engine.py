@@ -245,7 +245,7 @@ def test_the_most_buckets_the_scheduler_takes(model, dense):
   """MAX_BUCKETS step sizes (each its own config attribute through the FFI): prompts of
   lengths that take small, middle and the largest buckets give the dense model's tokens."""
   from blink_jax.engine_config import MAX_BUCKETS
-  buckets = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
+  buckets = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32)
   assert len(buckets) == MAX_BUCKETS
   prompts = [[5, 6, 7], list(range(3, 14)), list(range(2, 32))]
   want = [dense(p, 4) for p in prompts]

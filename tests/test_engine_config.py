@@ -74,12 +74,12 @@ def test_step_token_budget_and_its_buckets():
       1, 8, 16, 32, 64, 256, 512)
   assert gpu(max_num_batched_tokens=8192).buckets == (
       1, 8, 16, 32, 64, 256, 512, 1024, 2048, 4096, 8192)
-  # A budget whose doubling sizes would pass the scheduler's 12 grows 4x (8x ...) past 256.
+  # A budget whose doubling sizes would pass the scheduler's 16 grows 4x (8x ...) past 256.
   assert gpu(max_num_batched_tokens=1 << 20).buckets == (
       1, 8, 16, 32, 64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 20)
-  assert len(EngineConfig(buckets=tuple(range(1, 13))).buckets) == 12
-  with pytest.raises(ValueError, match="at most 12 buckets"):
-    EngineConfig(buckets=tuple(range(1, 14)))
+  assert len(EngineConfig(buckets=tuple(range(1, 17))).buckets) == 16
+  with pytest.raises(ValueError, match="at most 16 buckets"):
+    EngineConfig(buckets=tuple(range(1, 18)))
   cpu = EngineConfig(max_num_batched_tokens=1000).resolved(4096, "cpu")
   assert cpu.buckets == (1, 2, 4, 8, 16, 32, 64, 256, 512, 1000)
   assert EngineConfig(max_num_batched_tokens=48).resolved(4096, "cpu").buckets == (

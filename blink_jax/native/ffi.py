@@ -49,6 +49,10 @@ class SchedConfig:
   bucket9: int = 0
   bucket10: int = 0
   bucket11: int = 0
+  bucket12: int = 0
+  bucket13: int = 0
+  bucket14: int = 0
+  bucket15: int = 0
   eos0: int = -1
   eos1: int = -1
   eos2: int = -1
