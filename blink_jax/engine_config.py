@@ -143,9 +143,9 @@ class EngineConfig:
       "max(4096, max_seqs) on a GPU, max(256, max_seqs) on a CPU, or the largest of buckets).")
   buckets: tuple[int, ...] | None = _field(None, "Token counts the step is compiled for, the "
                                            "largest being max_num_batched_tokens (default: "
-                                           "1, 8, 16, 32, 64 (on a CPU also 2 and 4), then "
+                                           "1, 2, 4 ... 64 (on a GPU also 128), then "
                                            "doubling from 256 up to max_num_batched_tokens; "
-                                           "at most 12).")
+                                           "at most 16).")
   mode: str = _field("persistent", "persistent: the serving loop runs on the device; host: "
                      "the host drives each step (the conventional design, for comparison).",
                      choices=MODES)
@@ -276,19 +276,19 @@ class EngineConfig:
     if buckets is None:
       budget = self.max_num_batched_tokens or max(
           GPU_BATCHED_TOKENS if platform == "gpu" else 256, max_seqs)
-      # Decode sizes: a GPU pays for padded rows once a dozen sequences decode (with 64 as the
-      # next size after 8, 16 req/s on the H200 decoded 19 % slower at the median:
-      # docs/PERFORMANCE.md, "Decode buckets 16 and 32"); a CPU pays for every padded row (2
-      # streams in the 8-row step: 1.57x the per-token time of a 2-row step, section "Decode
-      # buckets 2 and 4 on a CPU"). 2 and 4 on a GPU are not measured yet.
+      # Decode sizes: a CPU pays for every padded row (2 streams in the 8-row step: 1.57x the
+      # per-token time of a 2-row step, docs/PERFORMANCE.md, "Decode buckets 2 and 4 on a
+      # CPU"), a GPU for padded rows of its small-batch GEMV and, past a dozen sequences, for
+      # their arithmetic (sections "Decode buckets 16 and 32" and "Decode buckets 2, 4 and
+      # 128 on a GPU": TPOT P50 -25 % at 2 req/s on the H200).
       # Past 256 rows the sizes double, so a step is padded to less than twice its tokens,
       # or grow 4x, 8x ... where doubling up to a large budget would need more than
       # MAX_BUCKETS sizes.
       growth = 2
       while True:
-        sizes = [1, 8, 16, 32, 64] if platform == "gpu" else [1, 2, 4, 8, 16, 32, 64]
+        sizes = [1, 2, 4, 8, 16, 32, 64] + ([128] if platform == "gpu" else []) + [256]
         while sizes[-1] < budget:
-          sizes.append(max(256, growth * sizes[-1]))
+          sizes.append(growth * sizes[-1])
         buckets = tuple(sorted({min(b, budget) for b in sizes} | {budget}))
         if len(buckets) <= MAX_BUCKETS:
           break

@@ -65,7 +65,7 @@ def test_bad_memory_fraction_is_refused(f):
 def test_resolution_by_platform():
   gpu = EngineConfig().resolved(model_max_context=32768, platform="gpu")
   assert (gpu.max_seqs, gpu.kv_pages, gpu.kv_cache_memory_fraction, gpu.buckets) == (
-      256, None, 0.9, (1, 8, 16, 32, 64, 256, 512, 1024, 2048, 4096))  # kv_pages: sized from the memory
+      256, None, 0.9, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096))  # kv_pages: sized
   cpu = EngineConfig().resolved(model_max_context=32768, platform="cpu")
   assert (cpu.max_seqs, cpu.kv_pages, cpu.kv_cache_memory_fraction, cpu.buckets) == (
       8, 8 * 4096 // 16, None, (1, 2, 4, 8, 16, 32, 64, 256))

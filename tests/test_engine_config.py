@@ -55,7 +55,7 @@ def test_resolved_fills_model_and_device_defaults():
   # kv_pages: sized by the engine from the GPU's memory (tests/test_capacity.py)
   assert (g.max_seqs, g.kv_pages, g.kv_cache_memory_fraction) == (256, None, 0.9)
   assert g.warm_up is True and g.idle_poll_us == 200
-  assert g.buckets == (1, 8, 16, 32, 64, 256, 512, 1024, 2048, 4096)
+  assert g.buckets == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
   assert (g.kernels.attention, g.kernels.prefill, g.kernels.norm, g.kernels.gemv) == (
       "pallas", "pallas", "pallas", "qkv+out+down")
   assert KernelOptions(gemv="down+qkv").resolved("cpu").gemv == "qkv+down"
@@ -65,18 +65,18 @@ def test_resolved_fills_model_and_device_defaults():
 def test_step_token_budget_and_its_buckets():
   """max_num_batched_tokens is the largest bucket; past 256 the default buckets double."""
   gpu = lambda **kw: EngineConfig(**kw).resolved(4096, "gpu")  # noqa: E731
-  assert gpu().buckets == (1, 8, 16, 32, 64, 256, 512, 1024, 2048, 4096)
+  assert gpu().buckets == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
   assert gpu().max_num_batched_tokens == 4096 and gpu(max_seqs=5000).max_num_batched_tokens == 5000
-  assert gpu(max_num_batched_tokens=256).buckets == (1, 8, 16, 32, 64, 256)
+  assert gpu(max_num_batched_tokens=256).buckets == (1, 2, 4, 8, 16, 32, 64, 128, 256)
   assert gpu(max_num_batched_tokens=3000).buckets == (
-      1, 8, 16, 32, 64, 256, 512, 1024, 2048, 3000)
+      1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 3000)
   assert gpu(max_seqs=512, max_num_batched_tokens=512).buckets == (
-      1, 8, 16, 32, 64, 256, 512)
+      1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
   assert gpu(max_num_batched_tokens=8192).buckets == (
-      1, 8, 16, 32, 64, 256, 512, 1024, 2048, 4096, 8192)
+      1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
   # A budget whose doubling sizes would pass the scheduler's 16 grows 4x (8x ...) past 256.
   assert gpu(max_num_batched_tokens=1 << 20).buckets == (
-      1, 8, 16, 32, 64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 20)
+      1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384, 65536, 262144, 1 << 20)
   assert len(EngineConfig(buckets=tuple(range(1, 17))).buckets) == 16
   with pytest.raises(ValueError, match="at most 16 buckets"):
     EngineConfig(buckets=tuple(range(1, 18)))
