@@ -502,31 +502,70 @@ FRONTEND_HISTOGRAMS = {"blink_frontend_time_to_first_token_seconds": "frontend_t
                        "blink_frontend_request_queue_time_seconds": "frontend_queue"}
 
 
+# vLLM's engine-step figures under the same names: its histogram of tokens per engine step
+# counts the steps (`_count`) and their tokens (`_sum`), so the energy of a step can be
+# compared across the two servers (docs/PERFORMANCE.md, "Energy").
+VLLM_STEP_HISTOGRAM = "vllm:iteration_tokens_total"
+VLLM_COUNTERS = {"vllm:prefix_cache_queries": "prefix_cache_queries",
+                 "vllm:prefix_cache_hits": "prefix_cache_hits"}
+
+
 def scrape_device_counters(base_url: str, headers: dict) -> dict[str, float]:
-  """blink_gpu_<counter>_total of the server's /metrics ({} for a server without them)."""
+  """The step counters of the server's /metrics ({} for a server without them)."""
   import urllib.request
-  from prometheus_client.parser import text_string_to_metric_families
   url = base_url.rstrip("/").removesuffix("/v1") + "/metrics"
   try:
     with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as r:
-      text = r.read().decode()
+      return parse_device_counters(r.read().decode())
   except (OSError, ValueError):
     return {}
+
+
+def parse_device_counters(text: str) -> dict[str, float]:
+  """blink's blink_gpu_<counter>_total and frontend histograms, or vLLM's steps (its
+  iteration-tokens histogram: "steps", "step_tokens") and prefix-cache counters, each summed
+  over the samples of the workers or engines that export it."""
+  from prometheus_client.parser import text_string_to_metric_families
   want = {f"blink_gpu_{c}": c for c in DEVICE_COUNTERS}
   out = {}
+
+  def add(key, value):
+    out[key] = out.get(key, 0.0) + value
+
   for f in text_string_to_metric_families(text):
     if f.name in want:
       out.update({want[f.name]: s.value for s in f.samples if s.name.endswith("_total")})
+    elif f.name == VLLM_STEP_HISTOGRAM:
+      for s in f.samples:
+        if s.name.endswith("_count"):
+          add("steps", s.value)
+        elif s.name.endswith("_sum"):
+          add("step_tokens", s.value)
+    elif f.name in VLLM_COUNTERS:
+      for s in f.samples:
+        if s.name.endswith("_total"):
+          add(VLLM_COUNTERS[f.name], s.value)
     elif f.name in FRONTEND_HISTOGRAMS:  # summed over the workers' samples
       for s in f.samples:
         if s.name.endswith(("_sum", "_count")):
-          key = FRONTEND_HISTOGRAMS[f.name] + s.name[s.name.rindex("_"):]
-          out[key] = out.get(key, 0.0) + s.value
+          add(FRONTEND_HISTOGRAMS[f.name] + s.name[s.name.rindex("_"):], s.value)
   return out
 
 
+def energy_above_idle(m: dict, idle_w: float | None) -> dict:
+  """The energy a rate's run drew above the idle server's power, per output token and per
+  model step: what the serving loop itself spends (docs/PERFORMANCE.md, "Energy")."""
+  if idle_w is None or m.get("avg_power_w") is None:
+    return {}
+  joules = (m["avg_power_w"] - idle_w) * m["duration_s"]
+  steps, tokens = m.get("device_steps"), m.get("output_tokens")
+  return {"energy_above_idle_per_token_j": joules / tokens if tokens else None,
+          "energy_above_idle_per_step_j": joules / steps if steps else None}
+
+
 class DeviceCounters:
-  """The device loop's steps and iterations over a `with` block (blink servers only)."""
+  """The model steps over a `with` block: blink's device loop (steps, iterations, frontend
+  latency means) or vLLM's engine steps; nothing for a server without either."""
 
   def __init__(self, base_url: str, headers: dict):
     self.base_url, self.headers = base_url, headers
@@ -549,10 +588,11 @@ class DeviceCounters:
     for name in FRONTEND_HISTOGRAMS.values():
       n = d.get(f"{name}_count")
       mean_ms[f"{name}_mean_ms"] = 1e3 * d[f"{name}_sum"] / n if n else None
-    return {**mean_ms,"device_steps": steps, "device_loop_iterations": d.get("loop_iterations"),
+    step_tokens = d["step_tokens"] if "step_tokens" in d else (
+        d.get("tokens_generated", 0) + d.get("prompt_tokens", 0))
+    return {**mean_ms, "device_steps": steps, "device_loop_iterations": d.get("loop_iterations"),
             "device_steps_per_output_token": steps / output_tokens if output_tokens else None,
-            "device_tokens_per_step": (d.get("tokens_generated", 0) + d.get("prompt_tokens", 0))
-            / steps if steps else None,
+            "device_tokens_per_step": step_tokens / steps if steps else None,
             # prompt tokens looked up in / served from the prefix cache (vLLM's names)
             "prefix_cache_queries": d.get("prefix_cache_queries"),
             "prefix_cache_hits": d.get("prefix_cache_hits")}
@@ -830,6 +870,7 @@ def main(argv):
       m.update(sampler.result(m["output_tokens"]))
       m.update(cpu.result(m["output_tokens"]))
       m.update(counters.result(m["output_tokens"]))
+      m.update(energy_above_idle(m, idle.get("avg_power_w")))
       rows.append({"label": FLAGS.label, "rate": "inf" if math.isinf(rate) else rate,
                    "max_concurrency": FLAGS.max_concurrency, **m})
       per_request[str(rows[-1]["rate"])] = [

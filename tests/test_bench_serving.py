@@ -205,6 +205,41 @@ def test_power_sampler_reports_a_reason_without_nvml():
     assert r["energy_j"] > 0 and r["energy_per_token_j"] == pytest.approx(r["energy_j"] / 100)
 
 
+def test_step_counters_of_vllm_and_blink_metrics():
+  """vLLM's steps come from its tokens-per-step histogram (summed over engines), so J per step
+  compares across servers; blink's from its device counters."""
+  from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+  reg = CollectorRegistry()
+  steps = Histogram("vllm:iteration_tokens_total", "tokens per engine step", ["engine"],
+                    buckets=(1, 8, 256, 8192), registry=reg)
+  queries = Counter("vllm:prefix_cache_queries", "prefix cache queries", ["engine"],
+                    registry=reg)
+  for engine, tokens in (("0", [5, 300, 1]), ("1", [2])):
+    for t in tokens:
+      steps.labels(engine).observe(t)
+    queries.labels(engine).inc(10)
+  got = BS.parse_device_counters(generate_latest(reg).decode())
+  assert got == {"steps": 4.0, "step_tokens": 308.0, "prefix_cache_queries": 20.0}
+
+  reg = CollectorRegistry()
+  for name, value in (("steps", 40), ("tokens_generated", 100), ("prompt_tokens", 60)):
+    Counter(f"blink_gpu_{name}", name, registry=reg).inc(value)
+  got = BS.parse_device_counters(generate_latest(reg).decode())
+  assert got == {"steps": 40.0, "tokens_generated": 100.0, "prompt_tokens": 60.0}
+
+  counters = BS.DeviceCounters("http://unused", {})
+  counters.before = {"steps": 10.0, "step_tokens": 100.0}
+  counters.after = {"steps": 30.0, "step_tokens": 500.0}
+  row = counters.result(output_tokens=40)
+  assert (row["device_steps"], row["device_tokens_per_step"]) == (20.0, 20.0)
+  assert row["device_steps_per_output_token"] == 0.5
+  # 150 W above a 100 W idle for 2 s: 300 J over 40 tokens and 20 steps.
+  m = {"avg_power_w": 250.0, "duration_s": 2.0, "output_tokens": 40, **row}
+  assert BS.energy_above_idle(m, 100.0) == {"energy_above_idle_per_token_j": 7.5,
+                                            "energy_above_idle_per_step_j": 15.0}
+  assert BS.energy_above_idle(m, None) == {}
+
+
 def test_normalize_argv():
   assert BS.normalize_argv(["x", "--base-url=u", "--max-tokens", "8", "--no-plot", "--",
                           "--a-b"]) == \
