@@ -59,9 +59,10 @@ def define_flags() -> None:
                        "prompt, a reply of turn k-1's output length and the next user message "
                        "(--num_prompts user messages in all); a turn is sent when the one before "
                        "it has finished, --rates are conversations' arrival rates")
-  flags.DEFINE_bool("fresh_prompts", False, "each rate sends its own prompt set (seeds --seed, "
-                    "--seed + 1, ...; the shared prefix stays one): with prefix caching no "
-                    "rate is served from the cache of an earlier rate's prompts")
+  flags.DEFINE_bool("fresh_prompts", True, "each rate sends its own prompt set (seeds --seed, "
+                    "--seed + 1, ...; the shared prefix stays one): with prefix caching (on by "
+                    "default in blink-jax and vLLM) no rate is served from the cache of an "
+                    "earlier rate's prompts; --nofresh_prompts replays one set at every rate")
   flags.DEFINE_enum("prompt_format", "ids", ["ids", "text"], "send prompts as token ids or text")
   flags.DEFINE_string("tokenizer", None, "SentencePiece model used to tokenize ShareGPT text "
                       "(default: 4 characters per token, random ids in ids mode)")

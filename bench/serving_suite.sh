@@ -9,6 +9,7 @@
 #        [BENCH_ARGS="--shared_prefix_len 1000" (more bench/serving.py flags)]
 #        [PEER_DIR=.carry/peer VLLM_SITE=/tmp/vllm/site VLLM_ARGS="..."]
 #        [CROSSCHECK="vllm persistent" CROSSCHECK_RATE=16] [SINGLE=1] [INTERFERENCE=1]
+#        [BURST=1000 (after the sweeps, that many requests at once: <run>_n<BURST>_quiet)]
 #        [TAG=name (a variant: results serving_h200_<shape>_<mode>_<TAG>_<run>.json)]
 #        OUT=dir bash bench/serving_suite.sh
 # Per server also: CROSSCHECK (modes): `vllm bench serve` beside bench.serving at one rate
@@ -100,10 +101,16 @@ for shape in $SHAPES; do
     for p in $(pgrep -f "nic_frontend.worker.*--port $port"); do taskset -pc $FRONT "$p" >/dev/null; done
     run="${shape}_${mode}${TAG:+_$TAG}"
     bench "${run}_quiet" "$port" 0 "$FRONT"
-    [ "${INTERFERENCE:-1}" = 0 ] || bench "${run}_int${INT}" "$port" "$INT" "$FRONT"
+    # Prompt sets of their own (bench.serving gives rate k the set --seed + k): with prefix
+    # caching on, a run that replayed another's prompts would be served from the cache.
+    [ "${INTERFERENCE:-1}" = 0 ] || bench "${run}_int${INT}" "$port" "$INT" "$FRONT" --seed 100
+    if [ -n "${BURST:-}" ]; then  # saturation: BURST requests at once, on the same server
+      RATES=inf bench "${run}_n${BURST}_quiet" "$port" 0 "$FRONT" --num_prompts "$BURST" \
+        --seed 200
+    fi
     if [ "${SINGLE:-0}" = 1 ]; then
       RATES=inf bench "${run}_single" "$port" 0 "$FRONT" --num_prompts 10 \
-        --max_concurrency 1 --input_len 1024 --output_len 256
+        --max_concurrency 1 --input_len 1024 --output_len 256 --seed 300
     fi
     if [[ " $CROSSCHECK " == *" $mode "* && -d $VLLM_SITE/vllm ]]; then
       taskset -c "$CLIENT" python3 -m bench.crosscheck --base_url "http://127.0.0.1:$port/v1" \
@@ -114,7 +121,7 @@ for shape in $SHAPES; do
     fi
     if [[ " $UNPINNED " == *" $shape:$mode "* ]]; then
       for p in $(pgrep -f "nic_frontend.worker.*--port $port"); do taskset -pc 0-$((NCPU - 1)) "$p" >/dev/null; done
-      RATES=inf bench "${run}_int${INT}_unpinned" "$port" "$INT" ""
+      RATES=inf bench "${run}_int${INT}_unpinned" "$port" "$INT" "" --seed 400
     fi
     kill -TERM $srv; wait $srv
     gpu_free

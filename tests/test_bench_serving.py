@@ -369,7 +369,7 @@ def test_fresh_prompts_give_each_rate_its_own_set(server, tmp_path):
     _run_tool("--base-url", base_url, "--api-key", API_KEY, "--num-prompts", "6", "--rates",
               "100,inf", "--vocab-size", str(dc.vocab_size), "--max-tokens", "2",
               "--max-input-len", "200", "--no-plot", "--out", str(out),
-              *(["--fresh-prompts"] if fresh else []))
+              *([] if fresh else ["--no-fresh-prompts"]))  # fresh by default
     doc = json.loads(out.read_text())
     assert doc["fresh_prompts"] == fresh
     first, second = ([r["input_len"] for r in reqs] for reqs in doc["requests"].values())
