@@ -84,8 +84,10 @@ export GPU_TEST_FILES=$(echo $GPU_TEST_FILES)
 # outlives the call) and serves blink-jax, the last runs `bash bench/vllm_install.sh` (it also
 # puts the peer's model folders in .carry/peer) and then `MODES=vllm BUILD=0 bash
 # bench/gpu_check.sh serving`. Each serving call (one or two servers, within its 10 minutes;
-# vLLM's start alone takes about 2.5) carries .carry with the bundled tokenizer.model as
-# .carry/tokenizer.model.
+# vLLM's start alone takes about 1.3-2.5) carries .carry with the bundled tokenizer.model as
+# .carry/tokenizer.model. A sweep of 100 requests per rate at 1-32 req/s and all at once takes
+# about 3.5 minutes after the server's start; BURST=1000 adds the 1,000-request burst on the
+# same server (about 20 s for blink-jax, 45 s for vLLM) instead of a second start.
 declare -A RESULT CMD
 ORDER=()
 while IFS='|' read -r name result cmd; do
