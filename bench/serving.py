@@ -527,25 +527,23 @@ def parse_device_counters(text: str) -> dict[str, float]:
   iteration-tokens histogram: "steps", "step_tokens") and prefix-cache counters, each summed
   over the samples of the workers or engines that export it."""
   from prometheus_client.parser import text_string_to_metric_families
-  want = {f"blink_gpu_{c}": c for c in DEVICE_COUNTERS}
+  counters = {**{f"blink_gpu_{c}": c for c in DEVICE_COUNTERS}, **VLLM_COUNTERS}
   out = {}
 
   def add(key, value):
     out[key] = out.get(key, 0.0) + value
 
   for f in text_string_to_metric_families(text):
-    if f.name in want:
-      out.update({want[f.name]: s.value for s in f.samples if s.name.endswith("_total")})
+    if f.name in counters:
+      for s in f.samples:
+        if s.name.endswith("_total"):
+          add(counters[f.name], s.value)
     elif f.name == VLLM_STEP_HISTOGRAM:
       for s in f.samples:
         if s.name.endswith("_count"):
           add("steps", s.value)
         elif s.name.endswith("_sum"):
           add("step_tokens", s.value)
-    elif f.name in VLLM_COUNTERS:
-      for s in f.samples:
-        if s.name.endswith("_total"):
-          add(VLLM_COUNTERS[f.name], s.value)
     elif f.name in FRONTEND_HISTOGRAMS:  # summed over the workers' samples
       for s in f.samples:
         if s.name.endswith(("_sum", "_count")):
