@@ -9,7 +9,7 @@ when there is no NVML). Prompts: ShareGPT v3 (--sharegpt) or a synthetic set wit
 length distribution. Results: JSON (bench/common.write_result) + a PNG of latency
 percentiles vs request rate.
 
-  python scripts/serve.py --ckpt gemma &            # or vLLM / SGLang; taskset as you like
+  taskset -c 2-15 python scripts/serve.py --ckpt gemma --frontend_cpus 0,1 &   # or vLLM / SGLang
   python -m bench.serving --rates 1,2,4,inf --num-prompts 200 --label persistent \\
       --interference 32 --frontend-cpus 0,1 --slo-ttft-ms 500 --slo-tpot-ms 50
   python -m bench.serving --compare bench/results/serving_persistent.json \\

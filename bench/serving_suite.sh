@@ -82,8 +82,10 @@ for shape in $SHAPES; do
       kind=vllm
     else
       # Its defaults otherwise (256 sequences, 4,096 slots, the KV cache from the GPU's memory).
+      # The frontend workers pin every thread of theirs to $FRONT (--frontend_cpus; an outside
+      # `taskset -p` would pin their main threads only: PERFORMANCE.md, "Frontend cores").
       taskset -c "$ENGINE_CPUS" python3 scripts/serve.py --ckpt "random:$shape" \
-        --tokenizer "$TOKENIZER" --mode "$mode" --port "$port" \
+        --tokenizer "$TOKENIZER" --mode "$mode" --port "$port" --frontend_cpus "$FRONT" \
         --max_context 2048 ${SERVE_ARGS:-} >"$log" 2>&1 &
       kind=blink
     fi
@@ -98,7 +100,6 @@ for shape in $SHAPES; do
     grep -E "serving loop on the device|op by op|engine up|API server version" "$log" | tail -2
     SERVER_INFO="$OUT/server_${shape}_${mode}${TAG:+_$TAG}.json"
     python3 -m bench.peer server_info --kind "$kind" --log "$log" --out "$SERVER_INFO"
-    for p in $(pgrep -f "nic_frontend.worker.*--port $port"); do taskset -pc $FRONT "$p" >/dev/null; done
     run="${shape}_${mode}${TAG:+_$TAG}"
     bench "${run}_quiet" "$port" 0 "$FRONT"
     # Prompt sets of their own (bench.serving gives rate k the set --seed + k): with prefix
@@ -120,7 +121,9 @@ for shape in $SHAPES; do
       pack
     fi
     if [[ " $UNPINNED " == *" $shape:$mode "* ]]; then
-      for p in $(pgrep -f "nic_frontend.worker.*--port $port"); do taskset -pc 0-$((NCPU - 1)) "$p" >/dev/null; done
+      for p in $(pgrep -f "nic_frontend.worker.*--port $port"); do  # all threads (-a)
+        taskset -a -pc 0-$((NCPU - 1)) "$p" >/dev/null
+      done
       RATES=inf bench "${run}_int${INT}_unpinned" "$port" "$INT" "" --seed 400
     fi
     kill -TERM $srv; wait $srv

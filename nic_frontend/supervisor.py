@@ -58,6 +58,9 @@ class ServeOptions:
   # them too), each at most queue_timeout_s (0: no limit); the rest get 503 + Retry-After.
   max_queued_requests: int = 4096
   queue_timeout_s: float = 0.0
+  # The CPUs every worker (all its threads) runs on, as taskset writes them ("0,1"): the
+  # SmartNIC's cores, out of reach of the host's other work (None: this process's CPUs).
+  frontend_cpus: str | None = None
   metrics_require_key: bool = False  # /metrics needs the API key too
 
 
@@ -158,8 +161,9 @@ class Serving:
     deadline = time.monotonic() + o.start_timeout_s
     for w in range(o.workers):
       self._wait_ready(w, deadline)
-    log.info("serving %s on http://%s:%d/v1 with %d frontend worker(s) (transport %s)",
-             self.engine.model_name, o.host, o.port, o.workers, o.transport)
+    log.info("serving %s on http://%s:%d/v1 with %d frontend worker(s) (transport %s, CPUs %s)",
+             self.engine.model_name, o.host, o.port, o.workers, o.transport,
+             o.frontend_cpus or "inherited")
 
   def _ready_file(self, w: int) -> Path:
     return self.run_dir / f"worker{w}.ready.json"
@@ -188,6 +192,8 @@ class Serving:
       cmd.append("--metrics-require-key")
     if o.workers > 1:
       cmd.append("--reuse-port")
+    if o.frontend_cpus:
+      cmd += ["--cpus", o.frontend_cpus]
     for name in o.served_model_names:
       cmd += ["--served-model-name", name]
     secrets_and_dirs = {}

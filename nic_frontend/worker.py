@@ -76,8 +76,39 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="when --parent-pid is gone: remove this shared memory segment")
   p.add_argument("--orphan-remove-dir", default=None,
                  help="when --parent-pid is gone: remove this folder")
+  p.add_argument("--cpus", type=parse_cpus, default=None,
+                 help="CPUs this worker and all its threads run on, as taskset lists them "
+                      "(0,1 or 0-3,8; default: the parent's)")
   p.add_argument("--log-level", default="INFO")
   return p.parse_args(argv)
+
+
+def parse_cpus(text: str) -> frozenset[int]:
+  """A CPU list as taskset writes it ("0,1", "0-3,8") -> the CPU ids; ValueError naming the
+  bad part for anything else, or for a CPU this machine does not have."""
+  cpus: set[int] = set()
+  for part in text.split(","):
+    lo, dash, hi = part.strip().partition("-")
+    if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
+      raise ValueError(f"bad CPU list {text!r}: {part!r} is not N or N-M (M >= N)")
+    cpus.update(range(int(lo), int(hi if dash else lo) + 1))
+  missing = sorted(c for c in cpus if c >= (os.cpu_count() or 1))
+  if missing:
+    raise ValueError(f"CPU list {text!r}: this machine has CPUs 0-{(os.cpu_count() or 1) - 1}, "
+                     f"not {missing}")
+  return frozenset(cpus)
+
+
+def pin(cpus: frozenset[int]) -> None:
+  """Runs this process on `cpus` from now on. Called before any thread starts, so that the
+  mailbox driver's thread is pinned too: an outside `taskset -p` pins the main thread only,
+  and left the driver on cores shared with the host's other work (docs/PERFORMANCE.md,
+  "Frontend cores")."""
+  try:
+    os.sched_setaffinity(0, cpus)
+  except OSError as e:  # a CPU outside this process's cpuset (a container's limit)
+    raise SystemExit(f"worker: --cpus {sorted(cpus)}: {e.strerror}; this process may use "
+                     f"{sorted(os.sched_getaffinity(0))}") from None
 
 
 def _write_ready(path: str, info: dict) -> None:
@@ -206,6 +237,8 @@ async def _watch_parent(pid: int, stop: asyncio.Event, orphaned: asyncio.Event |
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if args.cpus:
+    pin(args.cpus)
   logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                       format=f"%(asctime)s worker{args.worker} %(levelname)s %(name)s: "
                              "%(message)s")

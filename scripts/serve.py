@@ -68,6 +68,10 @@ flags.DEFINE_float("queue_timeout_s", 0.0, "How long a queued request waits for 
                    "its 503 (0: no limit).")
 flags.DEFINE_integer("max_body_bytes", 16 << 20, "Largest accepted request body.")
 flags.DEFINE_multi_string("served_model_name", [], "Additional model names to accept.")
+flags.DEFINE_string("frontend_cpus", None, "CPUs the frontend workers run on, every thread of "
+                    "them, as taskset lists them (0,1 or 0-3): the SmartNIC's cores, kept from "
+                    "the host's other work (default: this process's CPUs; docs/PERFORMANCE.md "
+                    "\"Frontend cores\").")
 engine_config.define_flags()
 
 # Loggers of the libraries under the engine; their INFO lines (orbax's checkpoint reads, JAX's
@@ -124,6 +128,12 @@ def check_flags() -> engine_config.EngineConfig:
   for name in ("max_body_bytes",):
     if FLAGS[name].value <= 0:
       raise usage(f"--{name} must be > 0, got {FLAGS[name].value}")
+  if FLAGS.frontend_cpus is not None:
+    from nic_frontend.worker import parse_cpus
+    try:
+      parse_cpus(FLAGS.frontend_cpus)
+    except ValueError as e:
+      raise usage(f"--frontend_cpus: {e}") from None
   for b in FLAGS.buckets or ():
     if not b.strip().isdigit():
       raise usage(f"--buckets must be integers separated by commas, got {b!r}")
@@ -199,7 +209,8 @@ def main(argv) -> int:
                       engine_stall_s=FLAGS.engine_stall_s,
                       max_queued_requests=FLAGS.max_queued_requests,
                       queue_timeout_s=FLAGS.queue_timeout_s,
-                      metrics_require_key=FLAGS.metrics_require_key)
+                      metrics_require_key=FLAGS.metrics_require_key,
+                      frontend_cpus=FLAGS.frontend_cpus)
   serving = Serving(engine, opts)
   stop = threading.Event()
 

@@ -317,6 +317,9 @@ def test_sigterm_past_grace_ends_every_stream_in_time(tokenizer_path, tmp_path):
     (["--ckpt", "x", "--metrics_require_key"], "--metrics_require_key needs an API key"),
     (["--ckpt", "x", "--workers", "2", "--port", "0"], "one worker only"),
     (["--workers", "2"], "--ckpt is required"),
+    (["--ckpt", "x", "--frontend_cpus", "0-a"], "--frontend_cpus: bad CPU list '0-a'"),
+    (["--ckpt", "x", "--frontend_cpus", "3-1"], "is not N or N-M"),
+    (["--ckpt", "x", "--frontend_cpus", "0,100000"], "not [100000]"),
     (["--ckpt", "x", "stray"], "unexpected arguments: stray"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_flags_are_usage_errors(args, message):
@@ -336,6 +339,30 @@ def test_two_frontend_workers_by_default(tokenizer_path, tmp_path):
     assert "with 2 frontend worker(s)" in srv.log_text()
     outs = _plain_burst(srv, 16, 2)
     assert all(o.status == 200 for o in outs), [(o.status, o.body) for o in outs]
+
+
+def _cpus_allowed(pid: int) -> dict[int, str]:
+  """Each thread of process `pid` -> its Cpus_allowed_list."""
+  out = {}
+  for task in Path(f"/proc/{pid}/task").iterdir():
+    status = (task / "status").read_text()
+    out[int(task.name)] = next(line.split(":", 1)[1].strip() for line in status.splitlines()
+                               if line.startswith("Cpus_allowed_list"))
+  return out
+
+
+def test_frontend_cpus_pin_every_thread_of_every_worker(tokenizer_path, tmp_path):
+  """--frontend_cpus: every thread of both workers (the mailbox driver's too, which an outside
+  `taskset -p PID` leaves where it was) runs on those CPUs only; serve.py itself does not."""
+  with fake_serve(tmp_path, tokenizer_path, ["--frontend_cpus", "0"]) as srv:
+    outs = _plain_burst(srv, 8, 2)  # every worker's threads are up
+    assert all(o.status == 200 for o in outs), [(o.status, o.body) for o in outs]
+    for pid in srv.info["workers"]:
+      threads = _cpus_allowed(pid)
+      assert len(threads) >= 2 and set(threads.values()) == {"0"}, (pid, threads)
+    if (os.cpu_count() or 1) > 1:
+      assert set(_cpus_allowed(srv.info["pid"]).values()) != {"0"}
+    assert "(transport shm, CPUs 0)" in srv.log_text()
 
 
 def test_api_key_file_stays_off_command_lines(tokenizer_path, tmp_path):
