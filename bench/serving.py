@@ -63,6 +63,11 @@ def define_flags() -> None:
                     "--seed + 1, ...; the shared prefix stays one): with prefix caching (on by "
                     "default in blink-jax and vLLM) no rate is served from the cache of an "
                     "earlier rate's prompts; --nofresh_prompts replays one set at every rate")
+  flags.DEFINE_integer("prompt_salt", 0, "draw the synthetic prompts' tokens (and the shared "
+                       "prefix's, the replies') with this salt: the same --seed and another "
+                       "salt sends the same lengths at the same times with other tokens, so "
+                       "two runs compare like for like without one being served from the "
+                       "other's prefix cache (the suite's thrasher run against its quiet run)")
   flags.DEFINE_enum("prompt_format", "ids", ["ids", "text"], "send prompts as token ids or text")
   flags.DEFINE_string("tokenizer", None, "SentencePiece model used to tokenize ShareGPT text "
                       "(default: 4 characters per token, random ids in ids mode)")
@@ -146,23 +151,34 @@ def random_prompt(n: int, rng: np.random.Generator, fmt: str, vocab_size: int):
   return " ".join(_WORDS[i] for i in rng.integers(0, len(_WORDS), n))  # ~1 token per word
 
 
+def salted_rng(seed: int, salt: int) -> np.random.Generator:
+  """The generator of `seed`, or with a nonzero salt another one: what --prompt_salt changes
+  (the tokens) against what it keeps (lengths, arrival times)."""
+  return np.random.default_rng(seed if not salt else [seed, salt])
+
+
 def synthetic_requests(n: int, seed: int, *, fmt: str = "ids", vocab_size: int = 32000,
                        max_context: int = 4096, max_input: int | None = None,
-                       input_len: int | None = None, output_len: int | None = None) -> list[Req]:
+                       input_len: int | None = None, output_len: int | None = None,
+                       salt: int = 0) -> list[Req]:
+  """n requests with seed's lengths; their tokens continue seed's generator, or with a
+  nonzero salt come from `salted_rng(seed, salt)`."""
   rng = np.random.default_rng(seed)
   inp, out = synthetic_lengths(n, rng, max_context, max_input, input_len, output_len)
-  return [Req(random_prompt(int(i), rng, fmt, vocab_size), int(i), int(o))
+  tokens = salted_rng(seed, salt) if salt else rng
+  return [Req(random_prompt(int(i), tokens, fmt, vocab_size), int(i), int(o))
           for i, o in zip(inp, out)]
 
 
 def with_shared_prefix(reqs: list[Req], n: int, seed: int, *, fmt: str = "ids",
-                       vocab_size: int = 32000, max_context: int = 4096) -> list[Req]:
+                       vocab_size: int = 32000, max_context: int = 4096,
+                       salt: int = 0) -> list[Req]:
   """The requests with one random n-token prefix before every prompt; token-id prompts are
   cut so that prefix, prompt and output still fit max_context (text prompts add about one
   token per word)."""
   if n <= 0:
     return reqs
-  prefix = random_prompt(n, np.random.default_rng(seed + 7919), fmt, vocab_size)
+  prefix = random_prompt(n, salted_rng(seed + 7919, salt), fmt, vocab_size)
   out = []
   for r in reqs:
     if fmt == "ids":
@@ -174,7 +190,7 @@ def with_shared_prefix(reqs: list[Req], n: int, seed: int, *, fmt: str = "ids",
 
 
 def multi_turn(reqs: list[Req], turns: int, seed: int, *, fmt: str = "ids",
-               vocab_size: int = 32000, max_context: int = 4096) -> list[Req]:
+               vocab_size: int = 32000, max_context: int = 4096, salt: int = 0) -> list[Req]:
   """Conversations of `turns` turns out of the requests (their prompts are the user messages,
   in order): turn k's prompt is turn k-1's prompt, then a reply of turn k-1's output length
   (random tokens standing in for what the server answered, so a cache can serve turn k-1's
@@ -183,7 +199,7 @@ def multi_turn(reqs: list[Req], turns: int, seed: int, *, fmt: str = "ids",
   the next one, so every request is sent."""
   if turns <= 1:
     return reqs
-  rng = np.random.default_rng(seed + 104729)
+  rng = salted_rng(seed + 104729, salt)
   out: list[Req] = []
   prev, turn = None, 0
   for r in reqs:
@@ -789,6 +805,8 @@ def main(argv):
   files = [*FLAGS.compare, *argv[1:]]  # --compare a.json b.json: b.json arrives positional
   if len(argv) > 1 and not FLAGS.compare:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  if FLAGS.prompt_salt and FLAGS.sharegpt:
+    raise app.UsageError("--prompt_salt draws synthetic tokens; ShareGPT's prompts are texts")
   if files:
     docs = [json.loads(pathlib.Path(p).read_text()) for p in files]
     if FLAGS.slo_ttft_ms is not None or FLAGS.slo_tpot_ms is not None:
@@ -820,12 +838,13 @@ def main(argv):
     if FLAGS.sharegpt:
       reqs = sharegpt_requests(FLAGS.sharegpt, FLAGS.num_prompts, seed, tokenizer=tok, **common)
     else:
-      reqs = synthetic_requests(FLAGS.num_prompts, seed, **common)
+      reqs = synthetic_requests(FLAGS.num_prompts, seed, salt=FLAGS.prompt_salt, **common)
     reqs = with_shared_prefix(reqs, FLAGS.shared_prefix_len, FLAGS.seed,
                               fmt=FLAGS.prompt_format, vocab_size=FLAGS.vocab_size,
-                              max_context=max_context)
+                              max_context=max_context, salt=FLAGS.prompt_salt)
     return multi_turn(reqs, FLAGS.multi_turn, seed, fmt=FLAGS.prompt_format,
-                      vocab_size=FLAGS.vocab_size, max_context=max_context)
+                      vocab_size=FLAGS.vocab_size, max_context=max_context,
+                      salt=FLAGS.prompt_salt)
   rates = [parse_rate(r) for r in FLAGS.rates]
   reqs = build(FLAGS.seed)
   # With --fresh_prompts rate k sends set seed + k: no rate finds another's prompts cached.
@@ -885,6 +904,7 @@ def main(argv):
   extra = {"label": FLAGS.label, "base_url": FLAGS.base_url, "model": model,
            "max_context": max_context, "dataset": FLAGS.sharegpt or "synthetic-sharegpt-v3",
            "prompt_format": FLAGS.prompt_format, "seed": FLAGS.seed,
+           "prompt_salt": FLAGS.prompt_salt,
            "num_prompts": FLAGS.num_prompts, "shared_prefix_len": FLAGS.shared_prefix_len,
            "multi_turn": FLAGS.multi_turn, "fresh_prompts": FLAGS.fresh_prompts,
            "max_concurrency": FLAGS.max_concurrency,

@@ -103,8 +103,11 @@ for shape in $SHAPES; do
     run="${shape}_${mode}${TAG:+_$TAG}"
     bench "${run}_quiet" "$port" 0 "$FRONT"
     # Prompt sets of their own (bench.serving gives rate k the set --seed + k): with prefix
-    # caching on, a run that replayed another's prompts would be served from the cache.
-    [ "${INTERFERENCE:-1}" = 0 ] || bench "${run}_int${INT}" "$port" "$INT" "$FRONT" --seed 100
+    # caching on, a run that replayed another's prompts would be served from the cache. The
+    # thrasher run sends the quiet run's lengths at its arrival times with other tokens
+    # (--prompt_salt), so its ratios to the quiet run compare like for like.
+    [ "${INTERFERENCE:-1}" = 0 ] || bench "${run}_int${INT}" "$port" "$INT" "$FRONT" \
+      --prompt_salt 1
     if [ -n "${BURST:-}" ]; then  # saturation: BURST requests at once, on the same server
       RATES=inf bench "${run}_n${BURST}_quiet" "$port" 0 "$FRONT" --num_prompts "$BURST" \
         --seed 200

@@ -55,6 +55,31 @@ def test_synthetic_requests_ids_and_text():
   assert all(isinstance(r.prompt, str) and len(r.prompt.split()) == r.input_len for r in text)
 
 
+def test_prompt_salt_keeps_lengths_and_changes_every_token_sequence():
+  """--prompt_salt: the same seed's lengths (and so the same requests at the same arrival
+  times), other tokens in every prompt, the shared prefix and the replies; salt 0 is the
+  unsalted set."""
+  kw = dict(fmt="ids", vocab_size=32000, max_context=512)
+  plain = BS.synthetic_requests(40, 5, **kw)
+  assert [r.prompt for r in BS.synthetic_requests(40, 5, salt=0, **kw)] == [r.prompt for r in plain]
+  salted = BS.synthetic_requests(40, 5, salt=1, **kw)
+  assert [(r.input_len, r.max_tokens) for r in salted] == [(r.input_len, r.max_tokens)
+                                                           for r in plain]
+  assert all(a.prompt[:8] != b.prompt[:8] for a, b in zip(plain, salted))
+  assert [r.prompt for r in BS.synthetic_requests(40, 5, salt=1, **kw)] == [r.prompt
+                                                                             for r in salted]
+  assert [r.prompt for r in BS.synthetic_requests(40, 5, salt=2, **kw)] != [r.prompt
+                                                                             for r in salted]
+  p0 = BS.with_shared_prefix(plain, 50, 5, max_context=512)[0].prompt[:50]
+  p1 = BS.with_shared_prefix(salted, 50, 5, max_context=512, salt=1)[0].prompt[:50]
+  assert p0 != p1
+  short = dict(input_len=20, output_len=10, max_context=128)
+  c0 = BS.multi_turn(BS.synthetic_requests(4, 0, **short), 2, 0, max_context=128)
+  c1 = BS.multi_turn(BS.synthetic_requests(4, 0, salt=1, **short), 2, 0, max_context=128, salt=1)
+  assert c0[1].prompt[20:30] != c1[1].prompt[20:30]  # the replies
+  assert [(r.input_len, r.follows) for r in c0] == [(r.input_len, r.follows) for r in c1]
+
+
 def test_shared_prefix_goes_before_every_prompt_and_keeps_the_context():
   reqs = BS.synthetic_requests(20, 0, max_context=256)
   shared = BS.with_shared_prefix(reqs, 100, 0, vocab_size=1000, max_context=256)
