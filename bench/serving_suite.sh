@@ -44,7 +44,7 @@ INT=$((2 * NCPU))
 PEER_DIR=${PEER_DIR:-.carry/peer}
 VLLM_SITE=${VLLM_SITE:-/tmp/vllm/site}  # bench/vllm_install.sh unpacks it there
 VLLM_PATH=$VLLM_SITE
-CROSSCHECK=${CROSSCHECK:-vllm persistent}
+CROSSCHECK=${CROSSCHECK-vllm persistent}  # set and empty: none
 SERVER_INFO="" SRV=""
 pack() {  # one archive (the device returns a limited number of files), refreshed after each run
   tar czf "$OUT/serving_results.tgz" $(ls bench/results/serving_h200_* \

@@ -8,12 +8,15 @@ Steps run N times inside one device `lax.fori_loop` (no host in the timing); ran
   python -m bench.step --config gemma3-1b --batches 1,8,64,256 --prefill_lengths 128,1024,4096
   python -m bench.step --batches 1,64 --prefill_lengths 256,1024,4096 --noscheduler \
       --attention pallas --prefill pallas     # prefill steps on the Pallas prefill kernel
+  python -m bench.step --batches "" --prefill_lengths 4096 --mixed 4096:0,4096:128,4096:256 \
+      --noscheduler                           # a burst's steps: decode rows, then prompt chunks
 
 Kernels: --attention --prefill --norm --gemv --decode_rows (KernelOptions, as scripts/serve.py's
 flags), picked per step size as the executor picks them.
 
-Per-kernel time of a decode step: --profile DIR traces single steps (kernels inside a device
-loop are not traced), then `python -m bench.kernel_profile --trace DIR/decode_b1 --iterations 20`.
+Per-kernel time of a decode or mixed step: --profile DIR traces single steps (kernels inside a
+device loop are not traced) into DIR/decode_b<batch> and DIR/mixed_t<T>_d<D>, then
+`python -m bench.kernel_profile --trace DIR/decode_b1 --iterations 20`.
 """
 from __future__ import annotations
 
@@ -41,6 +44,13 @@ def define_flags():
   flags.DEFINE_integer("context", 1024, "context of every decoding sequence")
   flags.DEFINE_list("prefill_lengths", ["128", "1024", "4096"],
                     "prompt lengths for prefill throughput (empty: no prefill rows)")
+  flags.DEFINE_list("mixed", [], "mixed steps T:D, a burst's: T tokens, the first D of them "
+                    "decode rows (D sequences at --context), the rest prompt chunks of "
+                    "--mixed_prompt tokens (fresh prompts); the output layer takes the first "
+                    "min(T, --mixed_logit_rows) rows, as the engine's does")
+  flags.DEFINE_integer("mixed_prompt", 640, "tokens of each prompt chunk of a mixed step")
+  flags.DEFINE_integer("mixed_logit_rows", 256, "rows of a mixed step's output layer (the "
+                       "engine's max_seqs)")
   flags.DEFINE_integer("steps", 50, "steps per timed device loop")
   flags.DEFINE_integer("repeats", 3, "timed loops per point (median and spread reported)")
   flags.DEFINE_integer("page_size", 16, "KV page size")
@@ -83,9 +93,10 @@ def matmul_rate() -> float:
   return 10 * 2 * FLAGS.matmul_n ** 3 / t
 
 
-def step_fns(model, n_tokens: int, n_seqs: int, steps: int):
-  """A jitted loop of `steps` model steps over n_tokens rows of n_seqs sequences, one jitted
-  step (for profiles: kernels inside a device loop are not traced), and the weights."""
+def step_fns(model, n_tokens: int, n_seqs: int, steps: int, logit_rows: np.ndarray):
+  """A jitted loop of `steps` model steps over n_tokens rows of n_seqs sequences (the output
+  layer over `logit_rows`), one jitted step (for profiles: kernels inside a device loop are
+  not traced), and the weights."""
   graphdef, params = nnx.split(model)
 
   platform = jax.devices()[0].platform  # the executor's choices for this bucket
@@ -95,37 +106,52 @@ def step_fns(model, n_tokens: int, n_seqs: int, steps: int):
   def one(params, kv, tokens, positions, seq_ids, pt):
     m = nnx.merge(graphdef, params)
     hidden, kv = m.forward(tokens, positions, seq_ids, pt, kv, kernels)
-    last = hidden[jnp.arange(n_seqs) * (n_tokens // n_seqs) + n_tokens // n_seqs - 1]
-    nxt = jnp.argmax(m.logits(last), axis=-1).astype(jnp.int32)
+    nxt = jnp.argmax(m.logits(hidden[logit_rows]), axis=-1).astype(jnp.int32)
     return kv, nxt
 
   def run(params, kv, tokens, positions, seq_ids, pt):
     def body(i, c):
       kv, tokens = c
       kv, nxt = one(params, kv, tokens, positions, seq_ids, pt)
-      return kv, tokens.at[:n_seqs].set(nxt) if n_tokens == n_seqs else tokens
+      return kv, tokens.at[:n_seqs].set(nxt[:n_seqs]) if n_tokens == n_seqs else tokens
     return lax.fori_loop(0, steps, body, (kv, tokens))
 
   return jax.jit(run, donate_argnums=(1,)), jax.jit(one, donate_argnums=(1,)), params
 
 
+def step_rows(kind: str, n_seqs: int, length: int, tokens: int = 0, prompt: int = 0,
+              logit_rows: int = 0):
+  """A step's rows: (positions, sequence ids, rows of its output layer, sequences, the
+  longest context). decode: n_seqs tokens at position length - 1; prefill: one sequence's
+  `length` tokens; mixed: n_seqs decode rows, then `tokens - n_seqs` rows of prompt chunks
+  of `prompt` tokens (positions from 0; the engine puts decode rows first too)."""
+  if kind == "decode":
+    return (np.full(n_seqs, length - 1), np.arange(n_seqs), np.arange(n_seqs), n_seqs, length)
+  if kind == "prefill":
+    return np.arange(length), np.zeros(length, np.int64), np.array([length - 1]), 1, length
+  rest = tokens - n_seqs
+  chunks = -(-rest // prompt) if rest > 0 else 0
+  positions = np.concatenate([np.full(n_seqs, length - 1), np.arange(rest) % prompt])
+  seq_ids = np.concatenate([np.arange(n_seqs), n_seqs + np.arange(rest) // prompt])
+  return (positions, seq_ids, np.arange(min(tokens, logit_rows)), n_seqs + chunks,
+          max(length, min(prompt, rest)))
+
+
 def measure_step(model, cfg, kind: str, n_seqs: int, length: int, steps: int, repeats: int,
-                 bw: float, flops: float) -> dict:
+                 bw: float, flops: float, tokens: int = 0) -> dict:
   from blink_jax.model.gemma import init_kv_cache
   ps = FLAGS.page_size
-  pages_per_seq = -(-(length + 1) // ps)
-  kv = init_kv_cache(cfg, n_seqs * pages_per_seq + 1, ps, model.dtype)
-  pt = jnp.arange(n_seqs * pages_per_seq, dtype=jnp.int32).reshape(n_seqs, pages_per_seq)
-  if kind == "decode":
-    n_tokens = n_seqs
-    positions = jnp.full((n_seqs,), length - 1, jnp.int32)
-    seq_ids = jnp.arange(n_seqs, dtype=jnp.int32)
-  else:  # prefill of one sequence of `length` tokens
-    n_tokens = length
-    positions = jnp.arange(length, dtype=jnp.int32)
-    seq_ids = jnp.zeros((length,), jnp.int32)
+  positions, seq_ids, logit_rows, seqs, longest = step_rows(
+      kind, n_seqs, length, tokens, FLAGS.mixed_prompt, FLAGS.mixed_logit_rows)
+  pages_per_seq = -(-(longest + 1) // ps)
+  kv = init_kv_cache(cfg, seqs * pages_per_seq + 1, ps, model.dtype)
+  pt = jnp.arange(seqs * pages_per_seq, dtype=jnp.int32).reshape(seqs, pages_per_seq)
+  n_tokens = len(positions)
+  positions = jnp.asarray(positions, jnp.int32)
+  seq_ids = jnp.asarray(seq_ids, jnp.int32)
   tokens = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, n_tokens), jnp.int32)
-  fn, one, params = step_fns(model, n_tokens, n_seqs, steps)
+  fn, one, params = step_fns(model, n_tokens, n_seqs if kind == "decode" else 0, steps,
+                             logit_rows)
   kv_state = {"kv": kv}
 
   def call():
@@ -133,11 +159,12 @@ def measure_step(model, cfg, kind: str, n_seqs: int, length: int, steps: int, re
     return kv_state["kv"]
 
   per = [t / steps for t in timed(lambda: call(), repeats=repeats)]
-  if FLAGS.profile and kind == "decode":
+  if FLAGS.profile and kind != "prefill":
     # One step per call, traced (bench.kernel_profile --iterations profile_steps).
     kv_state["kv"], _ = jax.block_until_ready(one(params, kv_state["kv"], tokens, positions,
                                                   seq_ids, pt))  # compiled before the trace
-    with jax.profiler.trace(f"{FLAGS.profile}/decode_b{n_seqs}", create_perfetto_trace=True):
+    name = f"decode_b{n_seqs}" if kind == "decode" else f"mixed_t{n_tokens}_d{n_seqs}"
+    with jax.profiler.trace(f"{FLAGS.profile}/{name}", create_perfetto_trace=True):
       for _ in range(FLAGS.profile_steps):
         kv_state["kv"], _ = one(params, kv_state["kv"], tokens, positions, seq_ids, pt)
       jax.block_until_ready(kv_state["kv"])
@@ -146,16 +173,20 @@ def measure_step(model, cfg, kind: str, n_seqs: int, length: int, steps: int, re
   kv_row_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(model.dtype).itemsize
   # Bytes a step must read: every weight once (the tied embedding as the head) and the K/V of
   # every context token of every sequence.
-  ctx_tokens = n_seqs * length if kind == "decode" else length
+  ctx_tokens = n_seqs * length if kind != "prefill" else length
+  if kind == "mixed":
+    ctx_tokens += n_tokens - n_seqs  # each prompt token's own K/V, written and read
   floor_bytes = weight_bytes + ctx_tokens * kv_row_bytes
   matmul_params = weight_bytes - embed_bytes  # per token, 2 FLOPs per weight (+ the head)
   flop = 2 * n_tokens * (matmul_params / jnp.dtype(model.dtype).itemsize) + \
-      2 * n_seqs * embed_bytes / jnp.dtype(model.dtype).itemsize
+      2 * len(logit_rows) * embed_bytes / jnp.dtype(model.dtype).itemsize
   med = float(np.median(per))
   row = {"kind": kind, "batch": n_seqs, "tokens": n_tokens, "context": length,
          **C.stats([p * 1e3 for p in per], "ms_per_step"),
          "hbm_floor_ms": floor_bytes / bw * 1e3, "matmul_floor_ms": flop / flops * 1e3,
-         "tokens_per_s": n_tokens / med}
+         "tokens_per_s": n_tokens / med,
+         **({"prompt_chunk": FLAGS.mixed_prompt, "logit_rows": len(logit_rows)}
+            if kind == "mixed" else {})}
   print({k: v for k, v in row.items() if not k.endswith("_all")}, flush=True)
   return row
 
@@ -188,6 +219,10 @@ def main(argv):
   for n in (int(x) for x in FLAGS.prefill_lengths):
     rows.append(measure_step(model, cfg, "prefill", 1, n, max(FLAGS.steps // 5, 3),
                              FLAGS.repeats, bw, flops))
+  for spec in FLAGS.mixed:
+    t, _, d = spec.partition(":")
+    rows.append(measure_step(model, cfg, "mixed", int(d or 0), FLAGS.context,
+                             max(FLAGS.steps // 5, 3), FLAGS.repeats, bw, flops, tokens=int(t)))
   if FLAGS.scheduler and jax.devices()[0].platform == "gpu":
     from bench.diag import loop_probes as D
     for v in ("trivial", "ffi_sc"):
