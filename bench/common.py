@@ -151,12 +151,12 @@ def command_line() -> str:
 
 # ---- kernel flags (benchmarks that build an engine or an executor) ----
 
-KERNEL_FLAGS = ("attention", "prefill", "norm", "gemv", "decode_rows")
+KERNEL_FLAGS = ("attention", "prefill", "norm", "gemv", "decode_rows", "decode_head")
 
 
 def define_kernel_flags(flag_values=None) -> None:
   """One absl flag per KernelOptions field (--attention --prefill --norm --gemv
-  --decode_rows), the same names and help as scripts/serve.py's, defaulting to the
+  --decode_rows --decode_head), the same names and help as scripts/serve.py's, defaulting to the
   dataclass's defaults."""
   import dataclasses
 

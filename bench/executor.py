@@ -9,7 +9,7 @@ the other cores, as a colocated host workload would.
   python -m bench.executor --config gemma3-1b --batches 1,64 --prompt 1024
   python -m bench.executor --modes persistent --interference 0 --gemv none
 
-Kernels: --attention --prefill --norm --gemv --decode_rows (KernelOptions, as scripts/serve.py's
+Kernels: --attention --prefill --norm --gemv --decode_rows --decode_head (KernelOptions, as scripts/serve.py's
 flags); the result records them ("kernels": asked and resolved) beside each mode's report.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ Steps run N times inside one device `lax.fori_loop` (no host in the timing); ran
   python -m bench.step --batches "" --prefill_lengths 4096 --mixed 4096:0,4096:128,4096:256 \
       --noscheduler                           # a burst's steps: decode rows, then prompt chunks
 
-Kernels: --attention --prefill --norm --gemv --decode_rows (KernelOptions, as scripts/serve.py's
+Kernels: --attention --prefill --norm --gemv --decode_rows --decode_head (KernelOptions, as scripts/serve.py's
 flags), picked per step size as the executor picks them.
 
 Per-kernel time of a decode or mixed step: --profile DIR traces single steps (kernels inside a
@@ -54,7 +54,7 @@ def define_flags():
   flags.DEFINE_integer("steps", 50, "steps per timed device loop")
   flags.DEFINE_integer("repeats", 3, "timed loops per point (median and spread reported)")
   flags.DEFINE_integer("page_size", 16, "KV page size")
-  C.define_kernel_flags()  # --attention --prefill --norm --gemv --decode_rows
+  C.define_kernel_flags()  # --attention --prefill --norm --gemv --decode_rows --decode_head
   flags.DEFINE_bool("scheduler", True, "also time schedule+commit and an empty loop iteration")
   flags.DEFINE_string("out", "bench/results/step.json", "JSON result file")
   flags.DEFINE_string("profile", None, "also trace profile_steps single decode steps per batch "

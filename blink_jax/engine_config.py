@@ -72,6 +72,13 @@ class KernelOptions:
                      "auto (qkv+out+down on a GPU, none elsewhere), none, or names from "
                      f"{'+'.join(GEMV_PROJECTIONS)} joined by '+'.")
   decode_rows: int = _field(64, "Largest step (tokens) whose attention is decode-sized.")
+  decode_head: int = _field(0, "Rows at the head of a larger step whose attention the decode "
+                            "kernel runs, the rest the prefill kernel (both Pallas): a step "
+                            "puts its decode rows first, and a prefill block walks the "
+                            "sequences of its tokens one after another, so a block of 16 "
+                            "decode rows costs 16 whole contexts there. 0: the prefill kernel "
+                            "takes every row (the default until an H200 A/B of 0 against 256; "
+                            "docs/PERFORMANCE.md, \"Decode rows in mixed steps\").")
 
   def __post_init__(self):
     for name, kinds in (("attention", ATTENTION_KINDS), ("prefill", ATTENTION_KINDS),
@@ -81,6 +88,8 @@ class KernelOptions:
     self.gemv_projections("gpu")  # validates the names
     if not isinstance(self.decode_rows, int) or self.decode_rows < 1:
       raise ValueError(f"decode_rows must be an integer >= 1, got {self.decode_rows!r}")
+    if not isinstance(self.decode_head, int) or self.decode_head < 0:
+      raise ValueError(f"decode_head must be an integer >= 0, got {self.decode_head!r}")
 
   def gemv_projections(self, platform: str) -> frozenset[str]:
     """The projections the CUDA GEMV runs on a device of `platform` ("gpu", "cpu", ...)."""

@@ -441,8 +441,10 @@ def _pallas_engine_equals_the_dense_reference(model, dense, **kernels):
 
 def test_pallas_prefill_kernel_equals_the_dense_reference(model, dense):
   # Steps above 4 tokens take the prefill kernel (blocks of tokens, each block's pages read
-  # once), as steps above 64 do with prefill="pallas" and the default decode_rows.
-  _pallas_engine_equals_the_dense_reference(model, dense, prefill="pallas", decode_rows=4)
+  # once) for all but their first 2 rows, which take the decode kernel, as steps above 64 do
+  # with prefill="pallas", the default decode_rows and decode_head=256.
+  _pallas_engine_equals_the_dense_reference(model, dense, prefill="pallas", decode_rows=4,
+                                            decode_head=2)
 
 
 def test_gemv_partial_sums_equal_the_dense_reference(model, dense):

@@ -71,10 +71,11 @@ def _tiny_engine_tokens_on_cpu_and_gpu(model_seed: int, prompt_seed: int, **kern
 
 
 def test_gpu_prefill_kernel_tokens_equal_cpu_tokens():
-  # Steps above 4 tokens through the Pallas prefill kernel (prefill="pallas" does this for
-  # steps above 64 with the default decode_rows), with the Pallas norm kernels.
+  # Steps above 4 tokens through the Pallas prefill kernel but for their first 2 rows, which
+  # take the decode kernel (prefill="pallas" does this for steps above 64 with the default
+  # decode_rows and decode_head=256), with the Pallas norm kernels.
   outs = _tiny_engine_tokens_on_cpu_and_gpu(model_seed=4, prompt_seed=2, prefill="pallas",
-                                            decode_rows=4)
+                                            decode_rows=4, decode_head=2)
   assert outs["cpu"] == outs["gpu"]
 
 
@@ -113,7 +114,7 @@ def test_gpu_windowed_pages_tokens_equal_cpu_full_pages():
     with jax.default_device(dev):
       model = Gemma(cfg, dtype=jnp.float32, rngs=nnx.Rngs(9))
     with Engine(model, None, device=dev, attention="pallas", prefill="pallas", decode_rows=4,
-                windowed_pages=windowed, **KW) as eng:
+                decode_head=2, windowed_pages=windowed, **KW) as eng:
       assert (eng.executor.ring_pages > 0) == windowed
       outs[dev.platform] = [o.token_ids for o in eng.generate(prompt_token_ids=prompts,
                                                              sampling=sp)]

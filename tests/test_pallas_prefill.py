@@ -56,6 +56,48 @@ def test_matches_the_reference(seed, tokens, group, num_kv_heads, page_size, max
          pages_per_block=pages_per_block)
 
 
+def _check_split(rng, *, tokens, decode, head, window, head_dim, page_size, max_pages,
+                 dtype=jnp.float32, atol=2e-5):
+  """A mixed step (decode rows of their own sequences first, then two prompt chunks from
+  position 0, then padding): its first `head` rows through the decode kernel and the rest
+  through the prefill kernel (`select.head_then_rest`, what larger steps run) against the
+  oracle."""
+  import functools
+  from blink_jax.kernels import pallas_attention
+  from blink_jax.kernels.select import head_then_rest
+  q, kv_pages, table, _, _ = _case(rng, tokens=tokens, num_heads=4, num_kv_heads=1,
+                                   head_dim=head_dim, page_size=page_size,
+                                   max_pages=max_pages, seqs=decode + 2, dtype=dtype)
+  rest = tokens - decode - 2
+  prompts = [(decode, rest // 3), (decode + 1, rest - rest // 3)]
+  seq_ids = np.array(list(range(decode)) + [s for s, n in prompts for _ in range(n)], np.int32)
+  positions = np.array(list(rng.integers(0, max_pages * page_size, decode)) +
+                       [p for _, n in prompts for p in range(n)], np.int32)
+  seq_ids = np.pad(seq_ids, (0, tokens - len(seq_ids)), constant_values=-1)
+  positions = np.pad(positions, (0, tokens - len(positions)))
+  split = functools.partial(
+      head_then_rest, head=head, head_fn=pallas_attention.paged_decode_attention,
+      rest_fn=paged_prefill_attention)
+  scale = head_dim ** -0.5
+  with jax.default_matmul_precision("highest"):
+    want = paged_attention_reference(q, kv_pages, table, seq_ids, positions, window=window,
+                                     softcap=None, scale=scale)
+  got = split(q, kv_pages, table, seq_ids, positions, window=window, softcap=None, scale=scale)
+  assert got.shape == want.shape and got.dtype == want.dtype
+  real = seq_ids >= 0
+  np.testing.assert_allclose(np.asarray(got, np.float32)[real],
+                             np.asarray(want, np.float32)[real], atol=atol, rtol=atol)
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**16), decode=st.integers(0, 12), head=st.integers(1, 32),
+       window=st.sampled_from([None, 5]))
+def test_a_step_split_at_its_head_equals_the_reference(seed, decode, head, window):
+  """Whether the head ends inside the decode rows, at their end, or inside a prompt chunk."""
+  _check_split(np.random.default_rng(seed), tokens=32, decode=decode, head=head, window=window,
+               head_dim=16, page_size=4, max_pages=10)
+
+
 def test_a_prefill_chunk_reads_what_write_kv_wrote():
   # A 30-token chunk of one sequence at positions 10..39 after 10 cached tokens, then two
   # decode tokens of other sequences in the same step: the causal mask over fresh keys.
@@ -96,6 +138,18 @@ def test_lowers_to_a_triton_kernel_for_cuda():
                                                            scale=0.0625, interpret=False),
                         *shapes)
   check_triton_calls(text, 2, (16, 1, 16))
+
+
+@pytest.mark.gpu
+def test_compiled_split_step_matches_the_reference_on_the_gpu():
+  """A burst's step on the GPU: 100 decode rows at up to 1,200 tokens of context, then two
+  prompt chunks; the head (256 rows, decode_head=256) ends inside a chunk."""
+  require_gpu()
+  rng = np.random.default_rng(4)
+  for dtype, atol in ((jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)):
+    for window in (None, 512):
+      _check_split(rng, tokens=1024, decode=100, head=256, window=window, head_dim=256,
+                   page_size=16, max_pages=76, dtype=dtype, atol=atol)
 
 
 @pytest.mark.gpu

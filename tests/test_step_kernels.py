@@ -91,11 +91,21 @@ def test_kernel_sets_are_independent():
 def test_prefill_steps_run_the_prefill_kernel_when_asked():
   cfg = get_config("gemma3-270m")
   layers = cfg.num_layers
-  assert _lowered_step(cfg, "pallas", "reference", 256, prefill="pallas") == {
-      "blink_paged_prefill_attention": layers, "blink_paged_decode_merge": layers}
+  prefill_only = {"blink_paged_prefill_attention": layers, "blink_paged_decode_merge": layers}
+  both = {"blink_paged_decode_attention": layers, "blink_paged_prefill_attention": layers,
+          "blink_paged_decode_merge": 2 * layers}  # each kernel's splits merged
+  assert _lowered_step(cfg, "pallas", "reference", 512, prefill="pallas") == prefill_only
+  # With decode_head the first rows, where a step's decode rows are, take the decode kernel.
+  assert _lowered_step(cfg, "pallas", "reference", 512, prefill="pallas",
+                       decode_head=256) == both
+  assert _lowered_step(cfg, "pallas", "reference", 256, prefill="pallas", decode_head=256) == {
+      "blink_paged_decode_attention": layers, "blink_paged_decode_merge": layers}
+  # Without the Pallas decode kernel the prefill kernel takes every row.
+  assert _lowered_step(cfg, "reference", "reference", 512, prefill="pallas",
+                       decode_head=256) == prefill_only
   # decode_rows moves the line between decode- and prefill-sized steps.
-  assert _lowered_step(cfg, "pallas", "reference", 8, prefill="pallas", decode_rows=4) == {
-      "blink_paged_prefill_attention": layers, "blink_paged_decode_merge": layers}
+  assert _lowered_step(cfg, "pallas", "reference", 8, prefill="pallas", decode_rows=4,
+                       decode_head=2) == both
 
 
 def test_step_kernels_take_resolved_options_only():

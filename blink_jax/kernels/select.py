@@ -5,7 +5,9 @@ The one place that knows how the fast kernels fit together:
 - decode-sized steps (up to `decode_rows` tokens) run the Pallas decode attention; with the
   Pallas norm kernels too, the q/k prepare kernel hands it the query already grouped by KV
   head and padded;
-- larger steps run the Pallas prefill attention when `prefill` is "pallas";
+- larger steps run the Pallas prefill attention when `prefill` is "pallas"; with the Pallas
+  decode attention too, their first `decode_head` rows (where the scheduler puts the decode
+  rows) go to the decode kernel (`head_then_rest`);
 - "blocked" (the CPU's default for both) runs `blocked_attention`, which reads only the key
   blocks up to the step's context; "reference" the oracle, which reads every whole page table;
 - the CUDA GEMV runs the named projections of steps of up to 8 tokens; the output and down
@@ -17,10 +19,25 @@ from __future__ import annotations
 
 import functools
 
+import jax.numpy as jnp
+
 from blink_jax.engine_config import KernelOptions
 from blink_jax.kernels import (blocked_attention, cpu_matmul, cuda_gemv, pallas_attention,
                                pallas_norm, pallas_prefill)
 from blink_jax.model.gemma import StepKernels
+
+
+def head_then_rest(q, kv_pages, page_table, seq_ids, positions, *, head: int, head_fn, rest_fn,
+                   **kw):
+  """Paged attention of a step's first `head` rows by head_fn and of the others by rest_fn
+  (the same arguments and result, `attention.paged_attention_reference`'s). Every row
+  attends to its own sequence's cached keys, so any split is exact: a prompt chunk that
+  starts in the head (fewer decode rows than `head`) is only read in two parts."""
+  first = head_fn(q[:head], kv_pages, page_table, seq_ids[:head], positions[:head], **kw)
+  if head >= q.shape[0]:
+    return first
+  rest = rest_fn(q[head:], kv_pages, page_table, seq_ids[head:], positions[head:], **kw)
+  return jnp.concatenate([first, rest.astype(first.dtype)])
 
 
 def step_kernels(cfg, options: KernelOptions, rows: int, *, interpret: bool) -> StepKernels:
@@ -45,8 +62,11 @@ def step_kernels(cfg, options: KernelOptions, rows: int, *, interpret: bool) -> 
     else:
       kernels["attention"] = attention
   elif not decode and options.prefill == "pallas":
-    kernels["attention"] = functools.partial(pallas_prefill.paged_prefill_attention,
-                                             interpret=interpret)
+    prefill = functools.partial(pallas_prefill.paged_prefill_attention, interpret=interpret)
+    head = min(rows, options.decode_head) if options.attention == "pallas" else 0
+    kernels["attention"] = prefill if not head else functools.partial(
+        head_then_rest, head=head, rest_fn=prefill,
+        head_fn=functools.partial(pallas_attention.paged_decode_attention, interpret=interpret))
   elif (options.attention if decode else options.prefill) == "blocked":
     kernels["attention"] = blocked_attention.paged_attention_blocked
   if pallas_norms and "prepare" not in kernels:
