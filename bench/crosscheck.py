@@ -2,6 +2,10 @@
 one server, the same workload (fixed input and output lengths, the same number of requests,
 Poisson arrivals at the same rate, greedy, ignore_eos), one after the other; the figures
 side by side with their ratio. The two tools should agree within run-to-run noise.
+--rounds alternates them (vLLM's then ours, ours then vLLM's, ...; round k with seed + k, so
+no round finds another's prompts in the prefix cache) and compares the medians: a server that
+speeds up or slows down during the check then shows in each tool's runs rather than as a
+difference between the tools.
 
   python -m bench.crosscheck --base_url http://127.0.0.1:8000/v1 \\
       --tokenizer .carry/peer/tokenizer --rate 16 --label blink \\
@@ -49,7 +53,9 @@ def define_flags():
   flags.DEFINE_float("rate", 16.0, "request rate (requests/s)")
   flags.DEFINE_integer("input_len", 512, "tokens per prompt")
   flags.DEFINE_integer("output_len", 256, "tokens per answer")
-  flags.DEFINE_integer("seed", 0, "seed of both tools' prompts and arrivals")
+  flags.DEFINE_integer("seed", 0, "seed of both tools' prompts and arrivals (round k: seed + k)")
+  flags.DEFINE_integer("rounds", 2, "runs of each tool, alternated: round k runs vLLM's tool "
+                       "first when k is even, ours first when odd")
   flags.DEFINE_string("label", "default", "name of the server in the result")
   flags.DEFINE_string("out", None, "JSON result (default: bench/results/crosscheck_<label>.json)")
 
@@ -89,6 +95,21 @@ def run_ours(base_url: str, model: str, num_prompts: int, rate: float, input_len
   return BS.compute_metrics(recs, duration)
 
 
+def median_run(runs: list[dict]) -> dict:
+  """Per metric, the median over a tool's runs (the metrics both tools report)."""
+  import numpy as np
+  out = {}
+  for k in METRICS + COUNTS:
+    vals = [r[k] for r in runs if isinstance(r.get(k), (int, float))]
+    out[k] = float(np.median(vals)) if vals else None
+  return out
+
+
+def round_order(k: int) -> tuple[str, str]:
+  """Which tool runs first in round k: vLLM's in even rounds, ours in odd ones."""
+  return ("vllm", "ours") if k % 2 == 0 else ("ours", "vllm")
+
+
 def compare(vllm: dict, ours: dict) -> dict:
   """{metric: {"vllm_bench_serve", "bench_serving", "ratio" (ours / vLLM's)}}."""
   out = {}
@@ -108,25 +129,38 @@ def main(argv):
   if not model:
     raise app.UsageError("--model is required (GET /models gave none)")
   max_context = info.get("max_model_len") or 4096
-  with tempfile.TemporaryDirectory() as tmp:
-    cmd = vllm_command(FLAGS.base_url, model, FLAGS.tokenizer, FLAGS.num_prompts, FLAGS.rate,
-                       FLAGS.input_len, FLAGS.output_len, FLAGS.seed, tmp)
-    vllm = run_vllm_bench(cmd, FLAGS.vllm_path, tmp)
-  ours = run_ours(FLAGS.base_url, model, FLAGS.num_prompts, FLAGS.rate, FLAGS.input_len,
-                  FLAGS.output_len, FLAGS.seed, max_context)
-  cmp = compare(vllm, ours)
-  rows = [{"metric": k, **v} for k, v in cmp.items()]
+  if FLAGS.rounds < 1:
+    raise app.UsageError(f"--rounds must be >= 1, got {FLAGS.rounds}")
+  runs = {"vllm": [], "ours": []}
+  for k in range(FLAGS.rounds):
+    seed = FLAGS.seed + k
+    for tool in round_order(k):
+      if tool == "vllm":
+        with tempfile.TemporaryDirectory() as tmp:
+          cmd = vllm_command(FLAGS.base_url, model, FLAGS.tokenizer, FLAGS.num_prompts,
+                             FLAGS.rate, FLAGS.input_len, FLAGS.output_len, seed, tmp)
+          runs["vllm"].append(run_vllm_bench(cmd, FLAGS.vllm_path, tmp))
+      else:
+        runs["ours"].append(run_ours(FLAGS.base_url, model, FLAGS.num_prompts, FLAGS.rate,
+                                     FLAGS.input_len, FLAGS.output_len, seed, max_context))
+      print(f"round {k}: {tool} done", flush=True)
+  vllm = runs["vllm"][-1]
+  cmp = compare(median_run(runs["vllm"]), median_run(runs["ours"]))
+  rows = [{"metric": k, **v,
+           "vllm_bench_serve_runs": [r.get(k) for r in runs["vllm"]],
+           "bench_serving_runs": [r.get(k) for r in runs["ours"]]} for k, v in cmp.items()]
   extra = {"label": FLAGS.label, "base_url": FLAGS.base_url, "model": model,
            "rate": FLAGS.rate, "num_prompts": FLAGS.num_prompts, "input_len": FLAGS.input_len,
-           "output_len": FLAGS.output_len, "seed": FLAGS.seed,
+           "output_len": FLAGS.output_len, "seed": FLAGS.seed, "rounds": FLAGS.rounds,
            "vllm_bench_serve_command": " ".join(cmd[1:]),
            "vllm_bench_serve_version": vllm.get("vllm_version") or vllm.get("version"),
            "vllm_bench_serve_result": {k: v for k, v in vllm.items()
                                        if not isinstance(v, list)},
-           "bench_serving_result": ours}
+           "bench_serving_result": runs["ours"][-1]}
   C.write_result(FLAGS.out or f"bench/results/crosscheck_{FLAGS.label}.json", "crosscheck",
                  rows, extra)
-  print(C.table(rows, ["metric", "vllm_bench_serve", "bench_serving", "ratio"]))
+  print(C.table(rows, ["metric", "vllm_bench_serve", "bench_serving", "ratio",
+                       "vllm_bench_serve_runs", "bench_serving_runs"]))
 
 
 if __name__ == "__main__":

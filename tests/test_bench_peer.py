@@ -64,6 +64,15 @@ def test_crosscheck_runs_vllm_bench_serve_on_the_same_workload():
                    {"output_throughput": 950.0, "p99_ttft_ms": 44.0, "completed": 200})
   assert cmp["output_throughput"]["ratio"] == 0.95 and cmp["p99_ttft_ms"]["ratio"] == 1.1
   assert cmp["completed"]["ratio"] == 1.0 and cmp["mean_tpot_ms"]["ratio"] is None
+  # Rounds alternate the tools, and the medians of each tool's runs are compared.
+  assert [CC.round_order(k) for k in range(3)] == [("vllm", "ours"), ("ours", "vllm"),
+                                                   ("vllm", "ours")]
+  med = CC.median_run([{"mean_tpot_ms": 4.0, "completed": 100}, {"mean_tpot_ms": 6.0},
+                       {"mean_tpot_ms": 5.5, "completed": 98}])
+  assert med["mean_tpot_ms"] == 5.5 and med["completed"] == 99.0 and med["p99_itl_ms"] is None
+  from bench import common as C
+  assert "[4.000, 6.000]" in C.table([{"metric": "mean_tpot_ms", "runs": [4.0, 6.0]}],
+                                 ["metric", "runs"])
 
 
 def test_serving_report_puts_the_servers_side_by_side(tmp_path):
