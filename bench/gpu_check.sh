@@ -89,7 +89,13 @@ export GPU_TEST_FILES=$(echo $GPU_TEST_FILES)
 # vLLM's start alone takes about 1.3-2.5) carries .carry with the bundled tokenizer.model as
 # .carry/tokenizer.model. A sweep of 100 requests per rate at 1-32 req/s and all at once takes
 # about 3.5 minutes after the server's start; BURST=1000 adds the 1,000-request burst on the
-# same server (about 20 s for blink-jax, 45 s for vLLM) instead of a second start.
+# same server (about 20 s for blink-jax, 45 s for vLLM) instead of a second start. A call
+# carries at most 64 MiB with the tree (about 12 MB): one part and the tokenizer, not two
+# parts; the tokenizer compresses to 1.7 MB (`xz -9 -k -c .carry/tokenizer.model >
+# .carry_xz/tokenizer.model.xz`, .carry_xz/ ignored; unpacked on the device with python's
+# lzma). blink-jax's start took 128 s in the e33d055 lease; INTERFERENCE=1 at 2-32 req/s
+# (quiet then thrashers) about 5.5 minutes with it. The GPU test files of `tests` take more
+# than 200 s (TIMEOUT=200 killed them at e33d055): give them a call of their own.
 declare -A RESULT CMD
 ORDER=()
 while IFS='|' read -r name result cmd; do
