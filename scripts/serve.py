@@ -192,9 +192,12 @@ def main(argv) -> int:
   api_key = api_key_from_flags()
   from nic_frontend.supervisor import ServeOptions, Serving
 
+  from blink_jax.executor.loop_report import filtered_stderr
+
   t0 = time.monotonic()
   try:
-    engine = make_engine(config)
+    with filtered_stderr():  # XLA's INFO lines only with --verbosity=1
+      engine = make_engine(config)
   except ValueError as e:  # a checkpoint, model config or size that does not fit
     if FLAGS.verbosity >= 1:
       log.exception("the engine did not start")

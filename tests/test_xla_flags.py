@@ -1,5 +1,6 @@
 """xla_flags: the GPU path of the flag setup runs on CPU too (with the plugin check faked)."""
 import os
+import sys
 
 import pytest
 
@@ -80,3 +81,34 @@ def test_loop_report_reads_the_conversion_log_only_when_xla_writes_it(
   report = command_buffer_report(_Compiled(), log, _Gpu(), "persistent")
   assert report["device_while"] is want
   assert report["loop"] == "while.7"
+
+
+def test_filtered_stderr_drops_xla_info_lines_as_they_come(capfd):
+  """serve.py's start-up: XLA's INFO lines and the command-buffer log do not reach stderr
+  (the jax logger at WARNING, serve.py's default); warnings and other lines do, as written,
+  and fd 2 is the real stderr again after the block."""
+  import logging
+  import os
+  from blink_jax.executor import loop_report
+  jax_log = logging.getLogger("jax")
+  level = jax_log.level
+  jax_log.setLevel(logging.WARNING)
+  try:
+    before = os.fstat(2).st_ino
+    with loop_report.filtered_stderr():
+      os.write(2, b"I1204 17:09:20.116656  994 service.cc:154] XLA service initialized\n")
+      os.write(2, b"I1204 17:09:20.235852  994 command_buffer_conversion_pass.cc:564] x\n")
+      os.write(2, b"W1204 17:09:21.000000  994 gpu_helpers.cc:1] a warning\n")
+      os.write(2, b"plain text from a library\n")
+      print("python's own stderr", file=sys.stderr)
+    assert os.fstat(2).st_ino == before
+    err = capfd.readouterr().err
+    assert "XLA service initialized" not in err and "command_buffer_conversion" not in err
+    assert "a warning" in err and "plain text from a library" in err
+    assert "python's own stderr" in err
+    jax_log.setLevel(logging.INFO)  # serve.py --verbosity=1: XLA's INFO lines too
+    with loop_report.filtered_stderr():
+      os.write(2, b"I1204 17:09:20.116656  994 service.cc:154] XLA service initialized\n")
+    assert "XLA service initialized" in capfd.readouterr().err
+  finally:
+    jax_log.setLevel(level)

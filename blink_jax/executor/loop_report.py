@@ -12,6 +12,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 
 from blink_jax import env
 
@@ -54,6 +55,36 @@ def capture_stderr():
       kept = [l for l in text["value"].splitlines() if _pass_through(l)]
       if kept:
         sys.stderr.write("\n".join(kept[-50:]) + "\n")
+
+
+@contextlib.contextmanager
+def filtered_stderr():
+  """While open, everything written to fd 2 (XLA's C++ logs, Python's) reaches the real
+  stderr line by line as it comes, less what `_pass_through` drops: serve.py's start-up,
+  where XLA's INFO lines (TF_CPP_MIN_LOG_LEVEL=0, which the conversion log needs) would
+  fill the server's log. A thread reads a pipe that stands in for fd 2; it closes with the
+  block, so processes started after it (the frontend workers) write to the real stderr."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  read_end, write_end = os.pipe()
+  os.dup2(write_end, 2)
+  os.close(write_end)
+
+  def pump():
+    with os.fdopen(read_end, "rb") as pipe:
+      for raw in pipe:
+        if _pass_through(raw.decode(errors="replace").rstrip("\n")):
+          os.write(saved, raw)
+
+  thread = threading.Thread(target=pump, name="stderr-filter", daemon=True)
+  thread.start()
+  try:
+    yield
+  finally:
+    sys.stderr.flush()
+    os.dup2(saved, 2)  # the pipe's last write end: the thread reads to its end, then stops
+    thread.join(5.0)
+    os.close(saved)
 
 
 def command_buffer_report(compiled, compile_log: str, device, mode: str) -> dict:
