@@ -74,7 +74,10 @@ def filtered_stderr():
     with os.fdopen(read_end, "rb") as pipe:
       for raw in pipe:
         if _pass_through(raw.decode(errors="replace").rstrip("\n")):
-          os.write(saved, raw)
+          try:
+            os.write(saved, raw)
+          except OSError:  # the block ended while a child kept the pipe open: stop
+            return
 
   thread = threading.Thread(target=pump, name="stderr-filter", daemon=True)
   thread.start()
