@@ -93,10 +93,10 @@ def matmul_rate() -> float:
   return 10 * 2 * FLAGS.matmul_n ** 3 / t
 
 
-def step_fns(model, n_tokens: int, n_seqs: int, steps: int, logit_rows: np.ndarray):
-  """A jitted loop of `steps` model steps over n_tokens rows of n_seqs sequences (the output
-  layer over `logit_rows`), one jitted step (for profiles: kernels inside a device loop are
-  not traced), and the weights."""
+def step_fns(model, n_tokens: int, steps: int, logit_rows: np.ndarray, feed_back: bool):
+  """A jitted loop of `steps` model steps over n_tokens rows (the output layer over
+  `logit_rows`; feed_back: each step's tokens are the last step's picks, as in decode), one
+  jitted step (for profiles: kernels inside a device loop are not traced), and the weights."""
   graphdef, params = nnx.split(model)
 
   platform = jax.devices()[0].platform  # the executor's choices for this bucket
@@ -113,7 +113,7 @@ def step_fns(model, n_tokens: int, n_seqs: int, steps: int, logit_rows: np.ndarr
     def body(i, c):
       kv, tokens = c
       kv, nxt = one(params, kv, tokens, positions, seq_ids, pt)
-      return kv, tokens.at[:n_seqs].set(nxt[:n_seqs]) if n_tokens == n_seqs else tokens
+      return kv, nxt if feed_back else tokens
     return lax.fori_loop(0, steps, body, (kv, tokens))
 
   return jax.jit(run, donate_argnums=(1,)), jax.jit(one, donate_argnums=(1,)), params
@@ -150,8 +150,7 @@ def measure_step(model, cfg, kind: str, n_seqs: int, length: int, steps: int, re
   positions = jnp.asarray(positions, jnp.int32)
   seq_ids = jnp.asarray(seq_ids, jnp.int32)
   tokens = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, n_tokens), jnp.int32)
-  fn, one, params = step_fns(model, n_tokens, n_seqs if kind == "decode" else 0, steps,
-                             logit_rows)
+  fn, one, params = step_fns(model, n_tokens, steps, logit_rows, feed_back=kind == "decode")
   kv_state = {"kv": kv}
 
   def call():

@@ -92,10 +92,10 @@ def parse_cpus(text: str) -> frozenset[int]:
     if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
       raise ValueError(f"bad CPU list {text!r}: {part!r} is not N or N-M (M >= N)")
     cpus.update(range(int(lo), int(hi if dash else lo) + 1))
-  missing = sorted(c for c in cpus if c >= (os.cpu_count() or 1))
+  count = os.cpu_count() or 1
+  missing = sorted(c for c in cpus if c >= count)
   if missing:
-    raise ValueError(f"CPU list {text!r}: this machine has CPUs 0-{(os.cpu_count() or 1) - 1}, "
-                     f"not {missing}")
+    raise ValueError(f"CPU list {text!r}: this machine has CPUs 0-{count - 1}, not {missing}")
   return frozenset(cpus)
 
 
