@@ -49,7 +49,7 @@ class Flight:
   """One request in a slot, as the asyncio side sees it."""
 
   __slots__ = ("loop", "queue", "submitted", "slot", "abandoned", "device_done", "request_id",
-               "created")
+               "created", "placed")
 
   def __init__(self, loop: asyncio.AbstractEventLoop, request_id: int):
     self.loop = loop
@@ -60,6 +60,7 @@ class Flight:
     self.device_done = False  # the device finished it (set on the asyncio side on delivery)
     self.request_id = request_id
     self.created = time.monotonic()  # its time in the queue counts from here
+    self.placed: float | None = None  # when it was written into its slot, until first output
 
   async def next(self) -> mailbox.Output:
     item = await self.queue.get()
@@ -403,8 +404,9 @@ class MailboxDriver:
   def _place(self, flight: Flight, slot: int) -> None:
     flight.slot = slot
     self._active[slot] = flight
+    flight.placed = time.monotonic()
     if self.metrics is not None:
-      self.metrics.queue_time.observe(time.monotonic() - flight.created)
+      self.metrics.queue_time.observe(flight.placed - flight.created)
     self._post(_resolve, flight.submitted, slot)
     self._update_slots()
 
@@ -466,6 +468,9 @@ class MailboxDriver:
       flight = self._active[slot]
       if out.tokens and self.metrics is not None:
         self.metrics.output_fill.observe(len(out.tokens) / ring)
+        if flight.placed is not None:
+          self.metrics.slot_to_first_output.observe(now - flight.placed)
+          flight.placed = None
       if not flight.abandoned:
         delivered.append((flight, out))
       if out.finished:

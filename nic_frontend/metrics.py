@@ -8,7 +8,9 @@ PROMETHEUS_MULTIPROC_DIR is set, which scripts/serve.py does for several workers
   _{in_use,total}{worker} and the ring occupancy ratio, blink_frontend_output_ring_fill_ratio,
   and the queue of requests waiting for a slot under vLLM's names: blink_frontend_num_requests
   _waiting{worker} and blink_frontend_request_queue_time_seconds (every request, 0 for one that
-  found a free slot).
+  found a free slot); TTFT's other parts: blink_frontend_request_prepare_time_seconds (arrival
+  to submission) and blink_frontend_slot_to_first_output_seconds (slot written to first output
+  read).
 Engine metrics, read from the mailbox header at scrape time (published by the GPU):
   blink_engine_state, blink_gpu_<counter>_total for the monotonic counters and blink_gpu_<gauge>
   for pages_in_use, pages_total, running, waiting, last_step_tokens.
@@ -122,6 +124,17 @@ class FrontendMetrics:
     self.queue_time = Histogram("blink_frontend_request_queue_time_seconds",
                                 "Time from a request's submission to its mailbox slot",
                                 buckets=_QUEUE_BUCKETS, registry=own)
+    # TTFT's parts as the frontend sees them (docs/PERFORMANCE.md, "Frontend cores"): before
+    # the mailbox (prepare, then queue_time), and from the slot's write to the driver's first
+    # read of its output (the device's admission and prefill, the ring, the driver's poll).
+    self.prepare_time = Histogram("blink_frontend_request_prepare_time_seconds",
+                                  "Time from request arrival to its submission: body, "
+                                  "validation, tokenization", buckets=_QUEUE_BUCKETS,
+                                  registry=own)
+    self.slot_to_first_output = Histogram(
+        "blink_frontend_slot_to_first_output_seconds",
+        "Time from a request's write into its mailbox slot to the driver's first read of its "
+        "output", buckets=_TTFT_BUCKETS, registry=own)
     self.output_fill = Histogram("blink_frontend_output_ring_fill_ratio",
                                  "Fill of a slot's output ring when the frontend read it",
                                  buckets=_FILL_BUCKETS, registry=own)

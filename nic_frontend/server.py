@@ -456,6 +456,7 @@ class Frontend:
     arrival = time.perf_counter()
     self._check_ready()
     gen = await self._parse(await self._read_body(request), kind)
+    self.metrics.prepare_time.observe(time.perf_counter() - arrival)
     self._handlers_in_flight += 1
     self._idle.clear()
     flights: list[Flight] = []

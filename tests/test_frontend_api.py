@@ -775,9 +775,17 @@ def test_tcp_relay_loss_and_recovery(stack):
 
 
 def test_metrics(stack):
+  parts = ("request_prepare_time_seconds", "request_queue_time_seconds",
+           "slot_to_first_output_seconds", "time_to_first_token_seconds")
+  before = stack.metrics()
   stack.client().completions.create(model=MODEL, prompt="metrics", max_tokens=8)
   m = stack.metrics()
   get = lambda name, **labels: m.get((name, tuple(sorted(labels.items()))), 0.0)
+  grew = lambda name: get(name) - before.get((name, ()), 0.0)  # noqa: E731
+  # One request: one observation of each part of TTFT, and the parts fit inside it.
+  assert [grew(f"blink_frontend_{h}_count") for h in parts] == [1, 1, 1, 1]
+  *each, whole = (grew(f"blink_frontend_{h}_sum") for h in parts)
+  assert min(each) >= 0 and sum(each) <= whole + 1e-6, (each, whole)
   for h in ("time_to_first_token_seconds", "time_per_output_token_seconds",
             "e2e_request_latency_seconds"):
     assert get(f"blink_frontend_{h}_count") >= 1, h
@@ -785,6 +793,9 @@ def test_metrics(stack):
   assert get("blink_frontend_generation_tokens_total") >= 8
   assert get("blink_frontend_slots_total", worker="0") == stack.device.dc.num_slots
   assert get("blink_engine_state") == 1
+  # The GPU's counters come from the driver's header snapshot, refreshed every header_s.
+  m = wait_until(lambda: (lambda m: m if m.get(("blink_gpu_tokens_generated_total", ()), 0) >= 8
+                          else None)(stack.metrics()), 5, what="the header snapshot")
   assert get("blink_gpu_steps_total") > 0 and get("blink_gpu_tokens_generated_total") >= 8
   assert get("blink_gpu_pages_total") == stack.device.dc.num_pages
   for g in ("pages_in_use", "running", "waiting", "last_step_tokens"):

@@ -548,6 +548,11 @@ def test_driver_queues_fifo_and_a_leaver_leaves_the_queue(tokenizer_path):
       for f in (fc, fe):
         assert len(await _run_to_end(f)) == 3
       assert len(fake.device.requests) == 4  # the leaver never reached a slot
+      # Each request's first output was timed once, from its slot's write: b's waited out
+      # the pause (>= 0.2 s; a's first token may come from the step the pause found running).
+      first = lambda what: metrics.registry.get_sample_value(  # noqa: E731
+          f"blink_frontend_slot_to_first_output_seconds_{what}")
+      assert first("count") == 4 and first("sum") >= 0.2
 
   asyncio.run(main())
 
