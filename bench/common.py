@@ -168,7 +168,7 @@ def define_kernel_flags(flag_values=None) -> None:
     help_text = f.metadata.get("help", f.name)
     if f.metadata.get("choices"):
       flags.DEFINE_enum(f.name, f.default, f.metadata["choices"], help_text, flag_values=fv)
-    elif isinstance(f.default, int):
+    elif f.type in ("int", "int | None"):
       flags.DEFINE_integer(f.name, f.default, help_text, flag_values=fv)
     else:
       flags.DEFINE_string(f.name, f.default, help_text, flag_values=fv)

@@ -72,13 +72,16 @@ class KernelOptions:
                      "auto (qkv+out+down on a GPU, none elsewhere), none, or names from "
                      f"{'+'.join(GEMV_PROJECTIONS)} joined by '+'.")
   decode_rows: int = _field(64, "Largest step (tokens) whose attention is decode-sized.")
-  decode_head: int = _field(0, "Rows at the head of a larger step whose attention the decode "
-                            "kernel runs, the rest the prefill kernel (both Pallas): a step "
-                            "puts its decode rows first, and a prefill block walks the "
-                            "sequences of its tokens one after another, so a block of 16 "
-                            "decode rows costs 16 whole contexts there. 0: the prefill kernel "
-                            "takes every row (the default until an H200 A/B of 0 against 256; "
-                            "docs/PERFORMANCE.md, \"Decode rows in mixed steps\").")
+  decode_head: int | None = _field(None, "Rows at the head of a larger step whose attention "
+                                   "the decode kernel runs, the rest the prefill kernel (both "
+                                   "Pallas): a step puts its decode rows first, and a prefill "
+                                   "block walks the sequences of its tokens one after another, "
+                                   "so a block of 16 decode rows costs 16 whole contexts there. "
+                                   "Default: max_seqs, a row for every sequence that can "
+                                   "decode (on the H200, 1B shape, a 4,096-token step with 128 "
+                                   "decode rows 14.7 instead of 23.2 ms; "
+                                   "docs/PERFORMANCE.md, \"Decode rows in mixed steps\"). "
+                                   "0: the prefill kernel takes every row.")
 
   def __post_init__(self):
     for name, kinds in (("attention", ATTENTION_KINDS), ("prefill", ATTENTION_KINDS),
@@ -88,8 +91,10 @@ class KernelOptions:
     self.gemv_projections("gpu")  # validates the names
     if not isinstance(self.decode_rows, int) or self.decode_rows < 1:
       raise ValueError(f"decode_rows must be an integer >= 1, got {self.decode_rows!r}")
-    if not isinstance(self.decode_head, int) or self.decode_head < 0:
-      raise ValueError(f"decode_head must be an integer >= 0, got {self.decode_head!r}")
+    if self.decode_head is not None and (not isinstance(self.decode_head, int)
+                                         or self.decode_head < 0):
+      raise ValueError(f"decode_head must be an integer >= 0 or None (max_seqs), got "
+                       f"{self.decode_head!r}")
 
   def gemv_projections(self, platform: str) -> frozenset[str]:
     """The projections the CUDA GEMV runs on a device of `platform` ("gpu", "cpu", ...)."""
@@ -103,19 +108,28 @@ class KernelOptions:
                        f"names from {GEMV_PROJECTIONS} joined by '+'")
     return names
 
-  def resolved(self, platform: str) -> "KernelOptions":
-    """The options with every "auto" replaced by what it means on `platform`."""
+  def resolved(self, platform: str, max_seqs: int | None = None) -> "KernelOptions":
+    """The options with every "auto" replaced by what it means on `platform`, and an unset
+    decode_head by `max_seqs` (default: the platform's default max_seqs) where both
+    attention kernels are Pallas, else 0 (no other pair splits a step)."""
     def pick(kind: str, elsewhere: str) -> str:
       return ("pallas" if platform == "gpu" else elsewhere) if kind == "auto" else kind
     gemv = "+".join(p for p in GEMV_PROJECTIONS if p in self.gemv_projections(platform))
-    return dataclasses.replace(self, attention=pick(self.attention, "blocked"),
-                               prefill=pick(self.prefill, "blocked"),
-                               norm=pick(self.norm, "reference"), gemv=gemv or "none")
+    attention, prefill = pick(self.attention, "blocked"), pick(self.prefill, "blocked")
+    head = self.decode_head
+    if head is None:
+      both = attention == prefill == "pallas"
+      head = (max_seqs or EngineConfig().max_seqs_on(platform)) if both else 0
+    return dataclasses.replace(self, attention=attention, prefill=prefill,
+                               norm=pick(self.norm, "reference"), gemv=gemv or "none",
+                               decode_head=head)
 
   def without_pallas(self, families: tuple[str, ...]) -> "KernelOptions":
     """The options with the named families back on the jnp reference (the executor's
     fallback when a Pallas kernel that "auto" chose does not compile on this GPU)."""
-    return dataclasses.replace(self, **{f: "reference" for f in families})
+    out = dataclasses.replace(self, **{f: "reference" for f in families})
+    split = out.attention == out.prefill == "pallas"
+    return out if split else dataclasses.replace(out, decode_head=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,7 +340,7 @@ class EngineConfig:
         kv_cache_memory_fraction=fraction, max_num_batched_tokens=buckets[-1],
         buckets=buckets, idle_poll_us=idle_poll_us, window_chunk=window_chunk,
         warm_up=(platform == "gpu") if self.warm_up is None else self.warm_up,
-        kernels=self.kernels.resolved(platform))
+        kernels=self.kernels.resolved(platform, max_seqs))
 
   def describe(self, memory: "DeviceMemory | None" = None) -> str:
     """One line for the startup log: the capacity chosen and why (a resolved config; with

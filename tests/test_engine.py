@@ -489,8 +489,8 @@ def test_auto_kernels_fall_back_loudly_when_they_do_not_compile(model, monkeypat
   def fail(*a, **k):
     raise RuntimeError("RESOURCE_EXHAUSTED: Shared memory size limit exceeded")
   real_resolved = KernelOptions.resolved
-  monkeypatch.setattr(KernelOptions, "resolved", lambda self, platform: dataclasses.replace(
-      real_resolved(self, "gpu"), gemv="none"))
+  monkeypatch.setattr(KernelOptions, "resolved", lambda self, platform, max_seqs=None: (
+      dataclasses.replace(real_resolved(self, "gpu", max_seqs), gemv="none")))
   monkeypatch.setattr(pallas_attention, "paged_decode_attention", fail)
   with caplog.at_level("WARNING", logger="blink_jax"):
     with Engine(model, None, **ENGINE_KW) as eng:

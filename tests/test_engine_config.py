@@ -50,7 +50,7 @@ def test_resolved_fills_model_and_device_defaults():
   c = EngineConfig(max_seqs=4).resolved(model_max_context=32768, platform="cpu")
   assert (c.max_context, c.kv_pages, c.buckets, c.warm_up, c.idle_poll_us) == (
       4096, 4096 // 16 * 4, (1, 2, 4, 8, 16, 32, 64, 256), False, 50_000)
-  assert c.kernels == KernelOptions("blocked", "blocked", "reference", "none")
+  assert c.kernels == KernelOptions("blocked", "blocked", "reference", "none", decode_head=0)
   g = EngineConfig(max_context=100, page_size=16).resolved(128, "gpu")
   # kv_pages: sized by the engine from the GPU's memory (tests/test_capacity.py)
   assert (g.max_seqs, g.kv_pages, g.kv_cache_memory_fraction) == (256, None, 0.9)
@@ -59,6 +59,7 @@ def test_resolved_fills_model_and_device_defaults():
   assert (g.kernels.attention, g.kernels.prefill, g.kernels.norm, g.kernels.gemv) == (
       "pallas", "pallas", "pallas", "qkv+out+down")
   assert KernelOptions(gemv="down+qkv").resolved("cpu").gemv == "qkv+down"
+  assert (c.kernels.decode_head, g.kernels.decode_head) == (0, 256)
   assert "max_seqs=4" in c.describe() and "kernels: attention=blocked" in c.describe()
 
 
@@ -119,3 +120,23 @@ def test_one_flag_per_field_and_back():
   bad(["prog", "--kv_cache_memory_fraction=1.5"])
   with pytest.raises(ValueError, match=r"kv_cache_memory_fraction must be in \(0, 1\], got 1.5"):
     from_flags(bad)
+
+
+def test_decode_head_defaults_to_max_seqs_where_both_attention_kernels_are_pallas():
+  # A step's decode rows (one per decoding sequence, at most max_seqs) go first; by default
+  # they all take the decode kernel (docs/PERFORMANCE.md, "Decode rows in mixed steps").
+  assert KernelOptions().resolved("gpu").decode_head == 256
+  assert KernelOptions().resolved("gpu", max_seqs=512).decode_head == 512
+  assert EngineConfig(max_seqs=100).resolved(4096, "gpu").kernels.decode_head == 100
+  # Asked for, kept; no split without both Pallas kernels.
+  assert KernelOptions(decode_head=0).resolved("gpu", max_seqs=512).decode_head == 0
+  assert KernelOptions(decode_head=7).resolved("cpu").decode_head == 7
+  assert KernelOptions().resolved("cpu").decode_head == 0
+  assert KernelOptions(prefill="reference").resolved("gpu").decode_head == 0
+  assert KernelOptions(attention="pallas", prefill="pallas").resolved("cpu", 8).decode_head == 8
+  # The executor's fallback to the reference attention drops the split it no longer runs.
+  gpu = KernelOptions().resolved("gpu")
+  assert gpu.without_pallas(("attention",)).decode_head == 0
+  assert gpu.without_pallas(("norm",)).decode_head == 256
+  with pytest.raises(ValueError, match="decode_head"):
+    KernelOptions(decode_head=-1)

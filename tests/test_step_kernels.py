@@ -43,9 +43,10 @@ def _triton_calls(text: str) -> collections.Counter:
 
 
 def _options(attention: str, norm: str, **kw) -> KernelOptions:
-  """Resolved options: no GEMV and the reference prefill attention unless named."""
+  """Resolved options: no GEMV, the reference prefill attention and no decode head unless
+  named."""
   return KernelOptions(attention=attention, norm=norm,
-                       **{"gemv": "none", "prefill": "reference", **kw})
+                       **{"gemv": "none", "prefill": "reference", "decode_head": 0, **kw})
 
 
 def _lowered(cfg, kernels, tokens: int) -> str:

@@ -109,7 +109,7 @@ class Executor:
     # forms XLA's CPU runtime runs well (docs/ARCHITECTURE.md, "The persistent loop").
     self.on_gpu = self.device.platform == "gpu"
     asked = kernels or KernelOptions()
-    self.kernels = asked.resolved(self.device.platform)
+    self.kernels = asked.resolved(self.device.platform, sched.max_seqs)
     # Kernel families "auto" put on Pallas: if they fail to compile, `compile` falls back.
     self._auto_pallas = tuple(kind for kind in ("attention", "prefill", "norm")
                               if getattr(asked, kind) == "auto"

@@ -46,7 +46,8 @@ def step_kernels(cfg, options: KernelOptions, rows: int, *, interpret: bool) -> 
   and run by Pallas' interpreter elsewhere (interpret: the engine's device decides, so a CPU
   engine on a GPU machine interprets); the CUDA GEMV runs its jnp stand-in where it
   interprets."""
-  if "auto" in (options.attention, options.prefill, options.norm, options.gemv):
+  if ("auto" in (options.attention, options.prefill, options.norm, options.gemv)
+      or options.decode_head is None):
     raise ValueError(f"step_kernels takes resolved KernelOptions, got {options}")
   group = cfg.num_heads // cfg.num_kv_heads
   decode = rows <= options.decode_rows
