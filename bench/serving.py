@@ -516,6 +516,7 @@ DEVICE_COUNTERS = ("steps", "loop_iterations", "tokens_generated", "prompt_token
 # the server has parsed a request, beside the client's figures (which add the load
 # generator's own delays: a way to tell the two apart under interference).
 FRONTEND_HISTOGRAMS = {"blink_frontend_time_to_first_token_seconds": "frontend_ttft",
+                       "blink_frontend_time_per_output_token_seconds": "frontend_tpot",
                        "blink_frontend_request_prepare_time_seconds": "frontend_prepare",
                        "blink_frontend_request_queue_time_seconds": "frontend_queue",
                        "blink_frontend_slot_to_first_output_seconds": "frontend_slot_first_output"}
