@@ -513,8 +513,10 @@ DEVICE_COUNTERS = ("steps", "loop_iterations", "tokens_generated", "prompt_token
 
 
 # The frontend's own latency histograms: their means over a rate, measured from the moment
-# the server has parsed a request, beside the client's figures (which add the load
-# generator's own delays: a way to tell the two apart under interference).
+# its handler starts, beside the client's figures (which add the load generator's own
+# delays: a way to tell the two apart under interference). TTFT's parts: prepare (body,
+# validation, tokenization), queue (waiting for a slot), slot to first output (the device's
+# admission and prefill, the ring, the driver's poll); the rest is the hand-off to the stream.
 FRONTEND_HISTOGRAMS = {"blink_frontend_time_to_first_token_seconds": "frontend_ttft",
                        "blink_frontend_time_per_output_token_seconds": "frontend_tpot",
                        "blink_frontend_request_prepare_time_seconds": "frontend_prepare",
