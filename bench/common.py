@@ -163,15 +163,10 @@ def define_kernel_flags(flag_values=None) -> None:
   from absl import flags
 
   from blink_jax.engine import KernelOptions
+  from blink_jax.engine_config import define_field_flag
   fv = flag_values or flags.FLAGS
   for f in dataclasses.fields(KernelOptions):
-    help_text = f.metadata.get("help", f.name)
-    if f.metadata.get("choices"):
-      flags.DEFINE_enum(f.name, f.default, f.metadata["choices"], help_text, flag_values=fv)
-    elif f.type in ("int", "int | None"):
-      flags.DEFINE_integer(f.name, f.default, help_text, flag_values=fv)
-    else:
-      flags.DEFINE_string(f.name, f.default, help_text, flag_values=fv)
+    define_field_flag(f, f.default, f.metadata.get("help", f.name), fv)
 
 
 def kernel_options(flag_values=None):

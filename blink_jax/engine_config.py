@@ -28,6 +28,11 @@ MODES = ("persistent", "host")
 # default (a decode step reads the weights once for all its rows, so lanes are cheap there);
 # on a CPU every row costs its arithmetic, and 8 is what the CPU tests and figures use.
 GPU_MAX_SEQS, CPU_MAX_SEQS = 256, 8
+
+
+def default_max_seqs(platform: str) -> int:
+  """max_seqs when none is given, on a device of `platform` ("gpu", "cpu", ...)."""
+  return GPU_MAX_SEQS if platform == "gpu" else CPU_MAX_SEQS
 # The share of a GPU's memory the weights, the step and the KV cache may take when
 # kv_cache_memory_fraction is not given: vLLM's --gpu-memory-utilization default.
 GPU_MEMORY_FRACTION = 0.9
@@ -119,7 +124,7 @@ class KernelOptions:
     head = self.decode_head
     if head is None:
       both = attention == prefill == "pallas"
-      head = (max_seqs or EngineConfig().max_seqs_on(platform)) if both else 0
+      head = (max_seqs or default_max_seqs(platform)) if both else 0
     return dataclasses.replace(self, attention=attention, prefill=prefill,
                                norm=pick(self.norm, "reference"), gemv=gemv or "none",
                                decode_head=head)
@@ -270,7 +275,7 @@ class EngineConfig:
 
   def max_seqs_on(self, platform: str) -> int:
     """max_seqs, or its default on a device of `platform` ("gpu", "cpu", ...)."""
-    return self.max_seqs or (GPU_MAX_SEQS if platform == "gpu" else CPU_MAX_SEQS)
+    return self.max_seqs or default_max_seqs(platform)
 
   def resolved(self, model_max_context: int, platform: str,
                sliding_window: int | None = None) -> "EngineConfig":
@@ -439,19 +444,26 @@ def define_flags(flag_values=None) -> None:
   from absl import flags
   fv = flags.FLAGS if flag_values is None else flag_values
   for f, default in _flag_fields():
-    help_text = f"{f.metadata['help']} (default: {default})"
-    if f.metadata.get("choices"):
-      flags.DEFINE_enum(f.name, None, f.metadata["choices"], help_text, flag_values=fv)
-    elif f.name == "buckets":
-      flags.DEFINE_list(f.name, None, help_text, flag_values=fv)
-    elif f.type in ("bool", "bool | None"):
-      flags.DEFINE_bool(f.name, None, help_text, flag_values=fv)
-    elif f.type in ("int", "int | None"):
-      flags.DEFINE_integer(f.name, None, help_text, flag_values=fv)
-    elif f.type in ("float", "float | None"):
-      flags.DEFINE_float(f.name, None, help_text, flag_values=fv)
-    else:
-      flags.DEFINE_string(f.name, None, help_text, flag_values=fv)
+    define_field_flag(f, None, f"{f.metadata['help']} (default: {default})", fv)
+
+
+def define_field_flag(f: dataclasses.Field, default: Any, help_text: str, flag_values) -> None:
+  """One absl flag for config field `f`, of the field's type (bench/common.py's kernel flags
+  use it too, with the dataclass's defaults)."""
+  from absl import flags
+  fv = flag_values
+  if f.metadata.get("choices"):
+    flags.DEFINE_enum(f.name, default, f.metadata["choices"], help_text, flag_values=fv)
+  elif f.name == "buckets":
+    flags.DEFINE_list(f.name, default, help_text, flag_values=fv)
+  elif f.type in ("bool", "bool | None"):
+    flags.DEFINE_bool(f.name, default, help_text, flag_values=fv)
+  elif f.type in ("int", "int | None"):
+    flags.DEFINE_integer(f.name, default, help_text, flag_values=fv)
+  elif f.type in ("float", "float | None"):
+    flags.DEFINE_float(f.name, default, help_text, flag_values=fv)
+  else:
+    flags.DEFINE_string(f.name, default, help_text, flag_values=fv)
 
 
 def from_flags(flag_values=None) -> EngineConfig:
