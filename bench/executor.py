@@ -8,6 +8,7 @@ the other cores, as a colocated host workload would.
 
   python -m bench.executor --config gemma3-1b --batches 1,64 --prompt 1024
   python -m bench.executor --modes persistent --interference 0 --gemv none
+  python -m bench.executor --config gemma3-27b --modes persistent --batches 1,64 --tensor_parallel 2
 
 Kernels: --attention --prefill --norm --gemv --decode_rows --decode_head (KernelOptions, as scripts/serve.py's
 flags); the result records them ("kernels": asked and resolved) beside each mode's report.
@@ -44,6 +45,7 @@ def define_flags():
   flags.DEFINE_list("buckets", ["1", "8", "64", "256"], "token buckets")
   flags.DEFINE_string("out", "bench/results/executor_latency.json", "JSON result file")
   C.define_kernel_flags()  # --attention --prefill --norm --gemv --decode_rows
+  _define_engine_flag("tensor_parallel")
   flags.DEFINE_string("profile", None, "write a jax.profiler trace of each mode's engine, from "
                       "before its start to after its shutdown (the trace's stop waits for the "
                       "device), under this directory (<mode>_b<first batch>; "
@@ -52,6 +54,15 @@ def define_flags():
   flags.DEFINE_enum("warm_up", "workload", ["workload", "shutdown"],
                     "before serving, run every bucket branch once (workload) or only one "
                     "schedule (shutdown) in XLA's op-by-op first execution (docs/NOTES.md, 16)")
+
+
+def _define_engine_flag(name: str) -> None:
+  """An EngineConfig field's flag, with serve.py's name, help and default."""
+  import dataclasses
+
+  from blink_jax.engine_config import EngineConfig, define_field_flag
+  f = next(f for f in dataclasses.fields(EngineConfig) if f.name == name)
+  define_field_flag(f, f.default, f.metadata.get("help", name), FLAGS)
 
 
 def build_engine(mode: str, max_seqs: int):
@@ -75,7 +86,7 @@ def build_engine(mode: str, max_seqs: int):
                page_size=FLAGS.page_size, max_context=ctx, num_slots=max(2 * max_seqs, 8),
                ring_capacity=64, max_top_logprobs=0, buckets=buckets, idle_poll_us=50,
                kernels=C.kernel_options(),
-               warm_up=FLAGS.warm_up == "workload",
+               warm_up=FLAGS.warm_up == "workload", tensor_parallel=FLAGS.tensor_parallel,
                kv_pages=max_seqs * (-(-ctx // FLAGS.page_size)) + 8)
   eng.shm = shm
   return eng, cfg
@@ -170,6 +181,9 @@ def main(argv):
     reports[mode] = {"loop_report": eng.loop_report, "command_buffer_blockers": blockers[:12],
                      # what the executor runs ("auto" resolved, after any fallback)
                      "kernels": executor_kernels(eng),
+                     "devices": [str(d) for d in (eng.executor.mesh.devices.flat
+                                                  if FLAGS.tensor_parallel > 1
+                                                  else [eng.executor.device])],
                      "startup_s": round(time.perf_counter() - t, 1)}
     print(mode, reports[mode], flush=True)
     try:
@@ -207,7 +221,7 @@ def main(argv):
   C.write_result(FLAGS.out, "executor_latency", rows,
                  {"config": FLAGS.config, "dtype": FLAGS.dtype, "prompt": FLAGS.prompt,
                   "tokens": FLAGS.tokens, "modes": reports, "cpus": len(cpus),
-                  "warm_up": FLAGS.warm_up,
+                  "warm_up": FLAGS.warm_up, "tensor_parallel": FLAGS.tensor_parallel,
                   "kernels": C.kernels_record(C.kernel_options(), jax.devices()[0].platform),
                   "host_min_graph_size": xla_flags.host_options()["xla_gpu_graph_min_graph_size"]})
 

@@ -65,6 +65,7 @@ step_mixed      | step_mixed             | python3 -m bench.step --config gemma3
 mixed_profile   | mixed_kernels          | rm -rf /tmp/step_profile; python3 -m bench.step --config gemma3-1b --batches "" --prefill_lengths "" --mixed 4096:128 --noscheduler --nocommand_buffers --steps 15 --profile /tmp/step_profile --profile_steps 5 --out "$OUT/step_profiled_mixed.json" $ARGS && python3 -m bench.kernel_profile --trace /tmp/step_profile/mixed_t4096_d128 --iterations 5 --top 40 --out "$out" | head -60
 kernel_profile  | kernel_profile         | for b in 1 64; do python3 -m bench.executor --config gemma3-1b --prompt 1024 --tokens 128 --modes persistent --batches $b --interference 0 --profile /tmp/blink_profile --out "$OUT/profiled_b$b.json" $ARGS && python3 -m bench.kernel_profile --trace /tmp/blink_profile/persistent_b$b --out "${out%.json}_b$b.json" | head -32 && find /tmp/blink_profile/persistent_b$b -name perfetto_trace.json.gz -exec cp {} "$OUT/perfetto_b$b.json.gz" \; ; done
 step_profile    | step_kernels           | for b in 1 64; do rm -rf /tmp/step_profile; python3 -m bench.step --config gemma3-1b --batches $b --prefill_lengths "" --noscheduler --nocommand_buffers --profile /tmp/step_profile --profile_steps 20 --out "$OUT/step_profiled_b$b.json" $ARGS && python3 -m bench.kernel_profile --trace /tmp/step_profile/decode_b$b --iterations 20 --top 40 --out "${out%.json}_b$b.json" | head -60; done
+tp              | executor_tp            | for n in ${TP_SIZES:-1 2}; do python3 -m bench.executor --config ${TP_CONFIG:-gemma3-27b} --prompt 1024 --tokens 128 --batches 1,64 --modes persistent --interference 32 --tensor_parallel $n --out "${out%.json}_${TP_CONFIG:-gemma3-27b}_tp$n.json" $ARGS; done
 hf              | hf_reference           | python3 -m bench.hf_reference --config gemma3-1b --prompt 1024 --tokens 128 --repeats 3 --compile ${HF_COMPILE:-eager,auto,max-autotune} --out "$out" $ARGS
 serving         | -                      | TOKENIZER=${TOKENIZER:-.carry/tokenizer.model} bash bench/serving_suite.sh
 vllm_install    | -                      | bash bench/vllm_install.sh
@@ -79,10 +80,15 @@ EOF
 # module that does not import there).
 GPU_TEST_FILES="tests/test_scheduler_backends.py tests/test_engine_gpu.py tests/test_device_region.py
   tests/test_pallas_attention.py tests/test_pallas_norm.py tests/test_pallas_prefill.py
-  tests/test_cuda_gemv.py tests/test_scheduler_race.py"
+  tests/test_cuda_gemv.py tests/test_scheduler_race.py tests/test_tensor_parallel.py"
 export GPU_TEST_FILES=$(echo $GPU_TEST_FILES)
 # Notes: executor = persistent vs host, quiet vs 2 x nproc thrashers; ARGS of the executor
 # recipes take KernelOptions flags (--attention --prefill --norm --gemv --decode_rows);
+# tp = issue 23 on a multi-GPU kind: per-token latency quiet and under thrashers at batch 1
+# and 64 for each of TP_SIZES (default "1 2") with the TP_CONFIG shape (default the 27B,
+# random weights; gemma3-12b on one GPU is the other comparison), the loop report saying
+# whether it stayed a device WHILE; saturation through `serving` with
+# SERVE_ARGS="--tensor_parallel N";
 # executor_host with BLINK_HOST_MIN_GRAPH_SIZE=1 is finding 19; model_loop with
 # ARGS=--xla_extra=... compares XLA flags (findings 20, 38).
 # The vLLM peer (issue 27), in one lease (the machine goes back 30 s after a call: each call

@@ -509,7 +509,9 @@ class ServerCPU:
 # (nic_frontend/metrics.py): with the output tokens they say how many model steps a token
 # costs, the figure behind the energy per token (docs/PERFORMANCE.md, "Energy").
 DEVICE_COUNTERS = ("steps", "loop_iterations", "tokens_generated", "prompt_tokens",
-                   "prefix_cache_queries", "prefix_cache_hits")
+                   "prefix_cache_queries", "prefix_cache_hits",
+                   # the scheduler kernels' device time (CUDA only), read per loop iteration
+                   "schedule_seconds", "commit_seconds")
 
 
 # The frontend's own latency histograms: their means over a rate, measured from the moment
@@ -521,7 +523,12 @@ FRONTEND_HISTOGRAMS = {"blink_frontend_time_to_first_token_seconds": "frontend_t
                        "blink_frontend_time_per_output_token_seconds": "frontend_tpot",
                        "blink_frontend_request_prepare_time_seconds": "frontend_prepare",
                        "blink_frontend_request_queue_time_seconds": "frontend_queue",
-                       "blink_frontend_slot_to_first_output_seconds": "frontend_slot_first_output"}
+                       "blink_frontend_slot_to_first_output_seconds": "frontend_slot_first_output",
+                       # the device's part of slot to first output and TPOT on the device's
+                       # clock: a slower device loop, or a slower mailbox round trip or stream
+                       "blink_frontend_device_time_to_first_output_seconds":
+                           "device_first_output",
+                       "blink_frontend_device_time_per_output_token_seconds": "device_tpot"}
 
 
 # vLLM's engine-step figures under the same names: its histogram of tokens per engine step
@@ -610,7 +617,10 @@ class DeviceCounters:
       mean_ms[f"{name}_mean_ms"] = 1e3 * d[f"{name}_sum"] / n if n else None
     step_tokens = d["step_tokens"] if "step_tokens" in d else (
         d.get("tokens_generated", 0) + d.get("prompt_tokens", 0))
-    return {**mean_ms, "device_steps": steps, "device_loop_iterations": d.get("loop_iterations"),
+    iterations = d.get("loop_iterations")
+    kernel_us = {f"device_{k}_us_per_iteration": 1e6 * d[f"{k}_seconds"] / iterations
+                 if iterations and f"{k}_seconds" in d else None for k in ("schedule", "commit")}
+    return {**mean_ms, **kernel_us, "device_steps": steps, "device_loop_iterations": iterations,
             "device_steps_per_output_token": steps / output_tokens if output_tokens else None,
             "device_tokens_per_step": step_tokens / steps if steps else None,
             # prompt tokens looked up in / served from the prefix cache (vLLM's names)

@@ -121,6 +121,7 @@ const char* blink_mailbox_layout() {
   F(BlinkSlotOutput, "output", error_code) F(BlinkSlotOutput, "output", prompt_len)
   F(BlinkSlotOutput, "output", preemptions) F(BlinkSlotOutput, "output", admit_ticket)
   F(BlinkSlotOutput, "output", token_ns) F(BlinkSlotOutput, "output", cached_tokens)
+  F(BlinkSlotOutput, "output", taken_ns) F(BlinkSlotOutput, "output", first_ns)
 #undef F
   snprintf(b, sizeof b, "const.header_bytes=%d;const.request_fixed_bytes=%d;const.output_fixed_bytes=%d;",
            BLINK_HEADER_BYTES, BLINK_REQUEST_FIXED_BYTES, BLINK_OUTPUT_FIXED_BYTES);

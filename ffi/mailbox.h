@@ -55,7 +55,7 @@
 #include <stdint.h>
 
 #define BLINK_MAGIC 0x31424d4b4e494c42ULL  // "BLINKMB1" little-endian
-#define BLINK_VERSION 3u
+#define BLINK_VERSION 4u
 #define BLINK_MAX_WORKERS 64
 #define BLINK_MAX_STOP_IDS 16
 #define BLINK_HEADER_BYTES 1024
@@ -175,7 +175,12 @@ struct BlinkSlotOutput {
   uint32_t admit_ticket;  // 1 + admission order among all requests; 0 = not admitted
   uint64_t token_ns;      // device clock (ns) when entry count-1 was written; for latency
   uint32_t cached_tokens; // prompt tokens whose K/V came from the prefix cache (at admission)
-  uint32_t pad0[5];
+  uint32_t pad0;
+  // Device clock (ns, the clock of token_ns) when the device took the request from its slot
+  // (with started_seq) and when it wrote entry 0 (0 until then): the device's own part of
+  // TTFT and, with token_ns, its time per output token (docs/PERFORMANCE.md, "Frontend cores").
+  uint64_t taken_ns;
+  uint64_t first_ns;
   // Entry e of the request lives at ring index e % ring_capacity:
   //   int32_t tokens[ring]; float logprobs[ring];
   //   int32_t top_ids[ring][max_top_logprobs]; float top_logprobs[ring][max_top_logprobs]

@@ -606,6 +606,8 @@ struct BlinkSched {
       blink_store<uint32_t>(o + OUT_OFF(error_code), 0u);
       blink_store<uint32_t>(o + OUT_OFF(preemptions), 0u);
       blink_store<uint32_t>(o + OUT_OFF(admit_ticket), 0u);
+      blink_store<uint64_t>(o + OUT_OFF(taken_ns), X_now_ns());
+      blink_store<uint64_t>(o + OUT_OFF(first_ns), 0u);
       blink_store_release<uint32_t>(o + OUT_OFF(started_seq), uint32_t(seqs[sl]));
     });
     x.serial([&] { s(S_Q_TAIL) = tail + n; });
@@ -1091,10 +1093,13 @@ struct BlinkSched {
       int64_t last = lane(L_COMPUTED, l) + lane(L_SCHED_N, l) - 1;  // last row's position
       if (last > lane(L_PROMPT_LEN, l) - 2) last = lane(L_PROMPT_LEN, l) - 2;
       if (last < lane(L_PLP_DONE, l)) return;
+      const bool first = lane(L_PLP_DONE, l) == 0;
       lane(L_PLP_DONE, l) = int32_t(last + 1);
       lane(L_OUT_COUNT, l) = int32_t(last + 1);  // no generated entry precedes these
       uint8_t* o = out(lane(L_SLOT, l));
-      blink_store<uint64_t>(o + OUT_OFF(token_ns), X_now_ns());
+      const uint64_t now = X_now_ns();
+      blink_store<uint64_t>(o + OUT_OFF(token_ns), now);
+      if (first) blink_store<uint64_t>(o + OUT_OFF(first_ns), now);
       blink_store_release<uint32_t>(o + OUT_OFF(count), uint32_t(last + 1));
     });
   }
@@ -1129,7 +1134,9 @@ struct BlinkSched {
       write_entry(l, e, t, (lane(L_FLAGS, l) & BLINK_FLAG_LOGPROBS) != 0, logprobs[i],
                   top_ids + i * top_k_cols, top_lps + i * top_k_cols, top_k_cols);
       lane(L_OUT_COUNT, l) = int32_t(e + 1);
-      blink_store<uint64_t>(o + OUT_OFF(token_ns), X_now_ns());
+      const uint64_t now = X_now_ns();
+      blink_store<uint64_t>(o + OUT_OFF(token_ns), now);
+      if (e == 0) blink_store<uint64_t>(o + OUT_OFF(first_ns), now);
       lane(L_LEN, l) = len + 1;
       lane(L_GENERATED, l) += 1;
       int32_t finish = BLINK_FINISH_NONE;

@@ -60,7 +60,7 @@ class Flight:
     self.device_done = False  # the device finished it (set on the asyncio side on delivery)
     self.request_id = request_id
     self.created = time.monotonic()  # its time in the queue counts from here
-    self.placed: float | None = None  # when it was written into its slot, until first output
+    self.placed: float | None = None  # when its slot's write began, until its first output
 
   async def next(self) -> mailbox.Output:
     item = await self.queue.get()
@@ -368,13 +368,14 @@ class MailboxDriver:
           self._enqueue(flight, req)
         else:
           try:
+            writing = time.monotonic()
             slot = self.client.submit(req)
           except mailbox.SlotsFullError as e:
             self._enqueue(flight, req, e)
           except ValueError as e:
             self._post(_resolve, flight.submitted, None, e)
           else:
-            self._place(flight, slot)
+            self._place(flight, slot, writing)
       elif cmd[0] == "abandon":
         _, flight, reason = cmd
         if flight.slot is not None and self._active.get(flight.slot) is flight:
@@ -401,10 +402,12 @@ class MailboxDriver:
     return drain_deadline
 
   # ---- the queue of requests waiting for a slot ----
-  def _place(self, flight: Flight, slot: int) -> None:
+  def _place(self, flight: Flight, slot: int, writing: float) -> None:
+    """`flight` holds `slot`, whose write began at `writing` (a remote transport's writes take
+    round trips, and the device may take the request before the last one returns)."""
     flight.slot = slot
     self._active[slot] = flight
-    flight.placed = time.monotonic()
+    flight.placed = writing
     if self.metrics is not None:
       self.metrics.queue_time.observe(flight.placed - flight.created)
     self._post(_resolve, flight.submitted, slot)
@@ -431,6 +434,7 @@ class MailboxDriver:
       if not self.client.free_slots and not self.client.stale_slots:
         break
       try:
+        writing = time.monotonic()
         slot = self.client.submit(req)
       except mailbox.SlotsFullError:
         break
@@ -439,7 +443,7 @@ class MailboxDriver:
         self._post(_resolve, flight.submitted, None, e)
         continue
       self._waiting.popleft()
-      self._place(flight, slot)
+      self._place(flight, slot, writing)
     while self._waiting and self._waiting[0][2] is not None and self._waiting[0][2] <= now:
       # One timeout for all: the deadlines are in queue order.
       flight, _, _ = self._waiting.popleft()
@@ -471,6 +475,11 @@ class MailboxDriver:
         if flight.placed is not None:
           self.metrics.slot_to_first_output.observe(now - flight.placed)
           flight.placed = None
+          if out.first_ns >= out.taken_ns > 0:  # the same request's stamps, device clock
+            self.metrics.device_first_output.observe((out.first_ns - out.taken_ns) / 1e9)
+      if out.finished and out.produced > 1 and out.token_ns > out.first_ns > 0 and self.metrics:
+        self.metrics.device_tpot.observe(
+            (out.token_ns - out.first_ns) / (out.produced - 1) / 1e9)
       if not flight.abandoned:
         delivered.append((flight, out))
       if out.finished:

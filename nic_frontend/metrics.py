@@ -10,10 +10,12 @@ PROMETHEUS_MULTIPROC_DIR is set, which scripts/serve.py does for several workers
   _waiting{worker} and blink_frontend_request_queue_time_seconds (every request, 0 for one that
   found a free slot); TTFT's other parts: blink_frontend_request_prepare_time_seconds (arrival
   to submission) and blink_frontend_slot_to_first_output_seconds (slot written to first output
-  read).
+  read), of which blink_frontend_device_time_to_first_output_seconds is the device's part;
+  blink_frontend_device_time_per_output_token_seconds (TPOT on the device's clock).
 Engine metrics, read from the mailbox header at scrape time (published by the GPU):
-  blink_engine_state, blink_gpu_<counter>_total for the monotonic counters and blink_gpu_<gauge>
-  for pages_in_use, pages_total, running, waiting, last_step_tokens.
+  blink_engine_state, blink_gpu_<counter>_total for the monotonic counters,
+  blink_gpu_{schedule,commit}_seconds_total (the scheduler kernels' device time) and
+  blink_gpu_<gauge> for pages_in_use, pages_total, running, waiting, last_step_tokens.
 """
 from __future__ import annotations
 
@@ -31,6 +33,10 @@ GPU_COUNTERS = ("loop_iterations", "steps", "tokens_generated", "prompt_tokens",
                 # vLLM's prefix-cache counters (tokens), 0 with prefix caching off
                 "prefix_cache_queries", "prefix_cache_hits")
 GPU_GAUGES = ("pages_in_use", "pages_total", "running", "waiting", "last_step_tokens")
+# Device time inside the scheduler's two kernels, published in ns (CUDA only: 0 on the CPU),
+# exported in seconds: per loop iteration, what a step costs outside the model, the part
+# that reads and writes the mailbox in host memory.
+GPU_SECONDS = {"schedule_ns": "schedule_seconds", "commit_ns": "commit_seconds"}
 
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -64,6 +70,11 @@ class HeaderCollector:
     for name in GPU_COUNTERS:
       c = CounterMetricFamily(f"blink_gpu_{name}", f"GPU-published counter {name}")
       c.add_metric([], h[name])
+      yield c
+    for field, name in GPU_SECONDS.items():
+      c = CounterMetricFamily(f"blink_gpu_{name}", f"Device time in the scheduler's "
+                              f"{field[:-3]} kernel (CUDA only)")
+      c.add_metric([], h[field] / 1e9)
       yield c
     for name in GPU_GAUGES:
       g = GaugeMetricFamily(f"blink_gpu_{name}", f"GPU-published gauge {name}")
@@ -133,8 +144,19 @@ class FrontendMetrics:
                                   registry=own)
     self.slot_to_first_output = Histogram(
         "blink_frontend_slot_to_first_output_seconds",
-        "Time from a request's write into its mailbox slot to the driver's first read of its "
-        "output", buckets=_TTFT_BUCKETS, registry=own)
+        "Time from the start of a request's write into its mailbox slot to the driver's first "
+        "read of its output", buckets=_TTFT_BUCKETS, registry=own)
+    # The same two on the device's clock (the output header's stamps, ffi/mailbox.h): from
+    # taking a request out of its slot to its first entry (its wait for a lane and its
+    # prefill), and per output token. Beside slot_to_first_output and tpot, they tell a
+    # slower device loop from a slower mailbox round trip or stream under interference.
+    self.device_first_output = Histogram(
+        "blink_frontend_device_time_to_first_output_seconds",
+        "Device clock from taking a request out of its slot to writing its first output",
+        buckets=_TTFT_BUCKETS, registry=own)
+    self.device_tpot = Histogram("blink_frontend_device_time_per_output_token_seconds",
+                                 "Mean time between a request's output tokens on the device's "
+                                 "clock", buckets=_TPOT_BUCKETS, registry=own)
     self.output_fill = Histogram("blink_frontend_output_ring_fill_ratio",
                                  "Fill of a slot's output ring when the frontend read it",
                                  buckets=_FILL_BUCKETS, registry=own)

@@ -58,3 +58,21 @@ def test_cpu_run_writes_rows_for_every_mode_and_batch(tmp_path):
   assert res["modes"]["persistent"]["kernels"]["gemv"] == "none"
   assert "blink_env" not in res
   assert res["command"].startswith("python -m bench.executor --config tiny")
+
+
+def test_tensor_parallel_run_splits_the_model(tmp_path):
+  """--tensor_parallel (EngineConfig's flag): the persistent loop over two XLA host devices,
+  as on two GPUs (issue 23's batch-1 latency against one GPU is this recipe there)."""
+  import os
+  out = tmp_path / "tp.json"
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  subprocess.run([sys.executable, "-m", "bench.executor", "--config", "tiny", "--dtype",
+                  "float32", "--batches", "1", "--prompt", "16", "--tokens", "24",
+                  "--interference", "0", "--modes", "persistent", "--gemv", "none",
+                  "--tensor_parallel", "2", "--out", str(out)],
+                 cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
+  res = json.loads(out.read_text())
+  assert res["tensor_parallel"] == 2
+  assert res["modes"]["persistent"]["devices"] == ["cpu:0", "cpu:1"]
+  [row] = res["results"]
+  assert row["batch"] == 1 and 0 < row["tpot_ms_p50"] <= row["tpot_ms_p99"]

@@ -247,10 +247,12 @@ def test_step_counters_of_vllm_and_blink_metrics():
   assert got == {"steps": 4.0, "step_tokens": 308.0, "prefix_cache_queries": 20.0}
 
   reg = CollectorRegistry()
-  for name, value in (("steps", 40), ("tokens_generated", 100), ("prompt_tokens", 60)):
+  for name, value in (("steps", 40), ("tokens_generated", 100), ("prompt_tokens", 60),
+                      ("schedule_seconds", 0.5), ("commit_seconds", 0.25)):
     Counter(f"blink_gpu_{name}", name, registry=reg).inc(value)
   got = BS.parse_device_counters(generate_latest(reg).decode())
-  assert got == {"steps": 40.0, "tokens_generated": 100.0, "prompt_tokens": 60.0}
+  assert got == {"steps": 40.0, "tokens_generated": 100.0, "prompt_tokens": 60.0,
+                 "schedule_seconds": 0.5, "commit_seconds": 0.25}
 
   counters = BS.DeviceCounters("http://unused", {})
   counters.before = {"steps": 10.0, "step_tokens": 100.0}
@@ -258,6 +260,15 @@ def test_step_counters_of_vllm_and_blink_metrics():
   row = counters.result(output_tokens=40)
   assert (row["device_steps"], row["device_tokens_per_step"]) == (20.0, 20.0)
   assert row["device_steps_per_output_token"] == 0.5
+  assert row["device_schedule_us_per_iteration"] is None  # vLLM: no loop, no kernel times
+  # blink: the scheduler kernels' device time per loop iteration
+  counters.before = {"steps": 10.0, "loop_iterations": 100.0, "schedule_seconds": 1.0,
+                     "commit_seconds": 0.5}
+  counters.after = {"steps": 30.0, "loop_iterations": 600.0, "schedule_seconds": 1.005,
+                    "commit_seconds": 0.5025}
+  row = counters.result(output_tokens=40)
+  assert row["device_schedule_us_per_iteration"] == pytest.approx(10.0)
+  assert row["device_commit_us_per_iteration"] == pytest.approx(5.0)
   # 150 W above a 100 W idle for 2 s: 300 J over 40 tokens and 20 steps.
   m = {"avg_power_w": 250.0, "duration_s": 2.0, "output_tokens": 40, **row}
   assert BS.energy_above_idle(m, 100.0) == {"energy_above_idle_per_token_j": 7.5,

@@ -786,6 +786,16 @@ def test_metrics(stack):
   assert [grew(f"blink_frontend_{h}_count") for h in parts] == [1, 1, 1, 1]
   *each, whole = (grew(f"blink_frontend_{h}_sum") for h in parts)
   assert min(each) >= 0 and sum(each) <= whole + 1e-6, (each, whole)
+  # The device's clock (the same host clock here): its part of the slot-to-first-output time,
+  # and its time per token, no longer than the whole stream's.
+  device = {h: (grew(f"blink_frontend_device_{h}_seconds_count"),
+                grew(f"blink_frontend_device_{h}_seconds_sum"))
+            for h in ("time_to_first_output", "time_per_output_token")}
+  assert device["time_to_first_output"][0] == device["time_per_output_token"][0] == 1
+  assert 0 < device["time_to_first_output"][1] <= grew(
+      "blink_frontend_slot_to_first_output_seconds_sum")
+  assert 0 < 7 * device["time_per_output_token"][1] <= grew(
+      "blink_frontend_e2e_request_latency_seconds_sum")
   for h in ("time_to_first_token_seconds", "time_per_output_token_seconds",
             "e2e_request_latency_seconds"):
     assert get(f"blink_frontend_{h}_count") >= 1, h
@@ -800,6 +810,8 @@ def test_metrics(stack):
   assert get("blink_gpu_pages_total") == stack.device.dc.num_pages
   for g in ("pages_in_use", "running", "waiting", "last_step_tokens"):
     assert (f"blink_gpu_{g}", ()) in m, g
+  for kernel in ("schedule", "commit"):  # device time: CUDA only, 0 from the CPU scheduler
+    assert m[(f"blink_gpu_{kernel}_seconds_total", ())] == 0.0, kernel
 
 
 # ---- unit: request parsing ------------------------------------------------------------------

@@ -33,7 +33,8 @@ def test_single_request_matches_oracle():
 
 def test_each_token_is_stamped_with_the_device_clock():
   """token_ns (the scheduler's clock when the newest entry was written) grows with every
-  token: benchmarks read per-token latency from it without the host's scheduling noise."""
+  token: benchmarks read per-token latency from it without the host's scheduling noise.
+  taken_ns and first_ns stamp the request's taking from its slot and its entry 0, once."""
   import time
 
   import numpy as np
@@ -43,15 +44,19 @@ def test_each_token_is_stamped_with_the_device_clock():
   def hook(step, sched):
     out = np.frombuffer(region.read(GEO.output_offset(0), P.OUTPUT_FIXED_BYTES),
                         P.OUTPUT_DTYPE)[0]
-    stamps.append((int(out["count"]), int(out["token_ns"])))
+    stamps.append(tuple(int(out[f]) for f in ("count", "token_ns", "taken_ns", "first_ns")))
 
   t0 = time.monotonic_ns()
   H.run([H.Job(0, [5, 6, 7], max_tokens=6, ignore_eos=True)], cfg, region, step_hook=hook)
-  written = [(c, ns) for c, ns in stamps if c > 0]
-  assert [c for c, _ in written] == list(range(1, 7))
-  ns = [t for _, t in written]
+  written = [s for s in stamps if s[0] > 0]
+  assert [c for c, *_ in written] == list(range(1, 7))
+  ns = [t for _, t, _, _ in written]
   assert all(b > a for a, b in zip(ns, ns[1:])), ns
   assert t0 <= ns[0] <= time.monotonic_ns()  # the CPU handlers use the steady clock
+  taken, first = {s[2] for s in stamps}, {s[3] for s in written}
+  assert len(taken) == 1 and first == {ns[0]}, (taken, first)  # set once each
+  assert t0 <= taken.pop() <= ns[0]
+  assert all(f == 0 for c, _, _, f in stamps if c == 0)  # no entry yet: no first stamp
 
 
 def test_named_counters_read_from_the_state():

@@ -68,11 +68,12 @@ def check_split_step_equals_single_device(n: int) -> None:
       np.testing.assert_allclose(split[:, :, d], ref[:, :, :, heads], rtol=2e-5, atol=2e-5)
 
 
-def check_engine_tokens_equal_single_device(n: int) -> None:
+def check_engine_tokens_equal_single_device(n: int) -> dict:
   """Requests arriving from threads while steps run, more than the lanes and the pages hold
   (preemption), beside a frontend client that submits long requests and cancels them
   mid-step: every finished request's greedy tokens are the single-device engine's, the
-  cancelled ones end cancelled, and every page comes back."""
+  cancelled ones end cancelled, and every page comes back. Returns the split engine's loop
+  report."""
   import threading
   import time
 
@@ -123,11 +124,12 @@ def check_engine_tokens_equal_single_device(n: int) -> None:
     for t in threads:
       t.join(300)
       assert not t.is_alive(), "hung"
-    stats = eng.stats()
+    stats, report = eng.stats(), eng.loop_report
   assert [got[i] for i in range(len(prompts))] == want
   assert cancelled and all(r in (PR.Finish.CANCELLED, PR.Finish.LENGTH) for r in cancelled)
   assert PR.Finish.CANCELLED in cancelled
   assert stats["preemptions"] > 0 and stats["pages_in_use"] == 0
+  return report
 
 
 def check_bundled_gemma_tokens_equal_single_device(n: int, path: str) -> None:
@@ -169,6 +171,18 @@ def test_split_step_equals_single_device(n):
 @pytest.mark.parametrize("n", [2, 4])
 def test_engine_tokens_equal_single_device(n):
   _in_interpreter_with_devices(n, "check_engine_tokens_equal_single_device")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 4])
+def test_engine_tokens_equal_single_device_on_gpus(n):
+  """The same on n GPUs of one host (NCCL collectives inside the loop), which must still be
+  one device WHILE node."""
+  from tests.cuda_lowering import gpus
+  if len(gpus()) < n:
+    pytest.skip(f"{n} CUDA GPUs needed, {len(gpus())} here")
+  report = check_engine_tokens_equal_single_device(n)
+  assert report["device_while"], report
 
 
 @pytest.mark.slow

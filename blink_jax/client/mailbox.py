@@ -132,6 +132,13 @@ class Output:
   admit_ticket: int = 0
   preemptions: int = 0
   cached_tokens: int = 0  # prompt tokens that came from the prefix cache
+  # Entries the slot holds (read so far, these included) and the device's clock (ns) when it
+  # took the request, wrote entry 0 and wrote its newest entry (ffi/mailbox.h; token_ns is
+  # read with the count, so before the finish it may already be the next entry's).
+  produced: int = 0
+  taken_ns: int = 0
+  first_ns: int = 0
+  token_ns: int = 0
 
 
 class SlotsFullError(RuntimeError):
@@ -351,7 +358,8 @@ class MailboxClient:
     return Output(tokens, lps, top, finished,
                   protocol.Finish(out.finish_reason) if finished else protocol.Finish.NONE,
                   protocol.Error(out.error_code) if finished else protocol.Error.NONE,
-                  out.admit_ticket, out.preemptions, out.cached_tokens)
+                  out.admit_ticket, out.preemptions, out.cached_tokens, count, out.taken_ns,
+                  out.first_ns, out.token_ns)
 
   def progress(self) -> bytes:
     """The device's progress counters: unchanged since the last call means no output ring of

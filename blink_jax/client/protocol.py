@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 MAGIC = 0x31424D4B4E494C42
-VERSION = 3
+VERSION = 4
 MAX_WORKERS = 64
 MAX_STOP_IDS = 16
 HEADER_BYTES = 1024
@@ -100,22 +100,25 @@ REQUEST_DTYPE = np.dtype({
 
 OUTPUT_DTYPE = np.dtype({
     "names": ["started_seq", "finished_seq", "count", "finish_reason", "error_code",
-              "prompt_len", "preemptions", "admit_ticket", "token_ns", "cached_tokens"],
-    "formats": ["<u4"] * 8 + ["<u8", "<u4"],
-    "offsets": [4 * i for i in range(8)] + [32, 40],
+              "prompt_len", "preemptions", "admit_ticket", "token_ns", "cached_tokens",
+              "taken_ns", "first_ns"],
+    "formats": ["<u4"] * 8 + ["<u8", "<u4", "<u8", "<u8"],
+    "offsets": [4 * i for i in range(8)] + [32, 40, 48, 56],
     "itemsize": OUTPUT_FIXED_BYTES,
 })
 
 
 def _packed(dtype: np.dtype) -> struct.Struct:
-  """A struct.Struct of `dtype`'s fields in order (they must be packed from offset 0):
+  """A struct.Struct of `dtype`'s fields in order (gaps between them skipped as padding):
   unpacking one is a few times faster than reading a numpy structured scalar's fields, and
   the frontend's driver does it for every slot in flight at every step."""
   codes, at = "<", 0
   for name in dtype.names:
     field, offset = dtype.fields[name][:2]
-    if offset != at or field.byteorder == ">":
-      raise ValueError(f"{name} is not packed little-endian at {at}")
+    if offset < at or field.byteorder == ">":
+      raise ValueError(f"{name} is not little-endian at or after {at}")
+    codes += f"{offset - at}x" if offset > at else ""
+    at = offset
     codes += {"u4": "I", "u8": "Q", "i4": "i", "i8": "q"}[field.str[1:]]
     at += field.itemsize
   return struct.Struct(codes)

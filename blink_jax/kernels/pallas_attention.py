@@ -126,13 +126,12 @@ def default_splits(tokens: int, num_kv_heads: int, num_blocks: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("window", "softcap", "scale", "pages_per_block",
-                                             "splits", "group", "merged", "interpret"))
+                                             "splits", "group", "interpret"))
 def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array,
                            seq_ids: jax.Array, positions: jax.Array, *, window: int | None,
                            softcap: float | None, scale: float,
                            pages_per_block: int | None = None, splits: int | None = None,
-                           group: int | None = None, merged: bool = True,
-                           interpret: bool | None = None):
+                           group: int | None = None, interpret: bool | None = None):
   """Attention of each token q [T, H, h] over its sequence's cached keys, read in place from
   kv_pages [P, page_size, 2 * K * h] (see `attention.paged_attention_reference`). q may
   also come grouped by KV head and padded, [T, K, query_rows(G), h] with `group` = G query
@@ -141,9 +140,7 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
   pages_per_block: pages per inner step (x page_size keys per dot; a power of two; default:
   tiles of at most TILE_BYTES, at least 16 keys); splits: programs that share one token's
   context (a power of two; default `default_splits`: 32 at batch 1, so a 1k-token context
-  of 16-token pages is one 4-page block for each of 16 programs). merged=False returns the
-  splits' partial softmaxes (o [S, T, K, R, h], m, l [S, T, K, R]; R = query_rows(G)) for a
-  kernel that merges them itself (`pallas_out.merge_out_project`). interpret: run the
+  of 16-token pages is one 4-page block for each of 16 programs). interpret: run the
   kernels with Pallas' interpreter (default: when the default device is not a GPU; pass it
   explicitly when computing on another device)."""
   if interpret is None:
@@ -218,8 +215,6 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       name="blink_paged_decode_attention",
   )(qg, kv_pages, kv_pages, table, bounds)
-  if not merged:
-    return o, m, l
   # A power-of-two group is merged straight into the output's layout (the padding rows
   # are never read): no slicing kernel between the merge and the output projection.
   keep = group if group & (group - 1) == 0 else rows
