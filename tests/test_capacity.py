@@ -154,6 +154,5 @@ def test_page_bytes_are_what_the_cache_allocates():
 def test_the_workspace_reserve_of_the_1b_shape_is_1_5_gib():
   from blink_jax.executor.loop import Executor
   ex = types.SimpleNamespace(sched=types.SimpleNamespace(token_budget=256),
-                             model=types.SimpleNamespace(cfg=types.SimpleNamespace(
-                                 vocab_size=262_144)))
+                             cfg=types.SimpleNamespace(vocab_size=262_144))
   assert Executor.workspace_bytes.fget(ex) == 3 * GiB // 2

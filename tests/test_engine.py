@@ -384,6 +384,34 @@ def test_shutdown_leaves_no_thread_and_rejects_requests(model):
     eng.generate(prompt_token_ids=[1, 2, 3])
 
 
+@pytest.mark.parametrize("donate", [False, True])
+def test_the_loop_holds_the_fused_weights_once(model, dense, donate):
+  """The q/k/v and gate/up weights reach the loop only as their fused copies (placeholders
+  in their place), so the loop's inputs are the model's bytes, not 1.6x them as when both
+  were kept; a donated model's unfused arrays are deleted, the rest of it (held by the
+  loop) kept, and the outputs stay the model's greedy ones."""
+  from blink_jax.model.gemma import Block
+  if donate:  # a copy: the module's fixture model serves the other tests
+    model = Gemma(tiny_config("gemma3", vocab_size=VOCAB), dtype=jnp.float32, rngs=nnx.Rngs(8))
+  paths = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
+  names = ["/".join(str(getattr(k, "key", k)) for k in p[:-1]) for p, _ in paths]
+  fused_away = {n for n in names if tuple(n.split("/")[-2:]) in Block.FUSED_AWAY}
+  assert len(fused_away) == 5 * model.cfg.num_layers
+  total = sum(a.nbytes for _, a in paths)
+  away_bytes = sum(a.nbytes for (_, a), n in zip(paths, names) if n in fused_away)
+  with Engine(model, None, donate_model=donate, **ENGINE_KW) as eng:
+    ex = eng.executor
+    held = sum(a.nbytes for a in jax.tree.leaves((ex.params, ex.fused)))
+    assert held == total  # each weight once: unfused or in a fused copy
+    assert sum(a.nbytes for a in ex.params) == total - away_bytes
+    prompt = [5, 9, 14, 2, 77]
+    out = eng.generate(prompt_token_ids=prompt,
+                       sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+  assert out.token_ids == dense(prompt, 6)
+  deleted = {n for n, (_, a) in zip(names, paths) if a.is_deleted()}
+  assert deleted == (fused_away if donate else set())
+
+
 def test_random_checkpoint_names_a_known_shape():
   with pytest.raises(ValueError, match="unknown model config 'nope'"):
     Engine.from_checkpoint("random:nope")

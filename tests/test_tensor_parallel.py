@@ -132,6 +132,35 @@ def check_engine_tokens_equal_single_device(n: int) -> dict:
   return report
 
 
+def check_donated_model_is_freed_once_split(n: int) -> None:
+  """A donated model split n ways: the engine holds only the shards, so the model's arrays
+  that were split (every one the fused copies replace among them) are deleted; the tokens
+  are the single-device engine's."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from blink_jax import Engine, SamplingParams
+  from blink_jax.model.gemma import Block, Gemma
+
+  cfg = tiny_config("gemma3", vocab_size=512)
+  kw = dict(max_seqs=2, page_size=4, max_context=48, num_slots=4, buckets=(2, 16),
+            max_top_logprobs=0, kv_pages=24)
+  sp = SamplingParams(max_tokens=8, ignore_eos=True)
+  prompt = [7, 300, 41, 9, 122]
+  with Engine(Gemma(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3)), None, **kw) as eng:
+    want = eng.generate(prompt_token_ids=prompt, sampling=sp).token_ids
+  model = Gemma(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
+  with Engine(model, None, tensor_parallel=n, donate_model=True, **kw) as eng:
+    got = eng.generate(prompt_token_ids=prompt, sampling=sp).token_ids
+  assert got == want
+  paths = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
+  for path, a in paths:
+    names = tuple(str(getattr(k, "key", k)) for k in path[:-1])
+    if names[-2:] in Block.FUSED_AWAY or names[-1] in ("o", "down", "embed"):
+      assert a.is_deleted(), names
+
+
 def check_bundled_gemma_tokens_equal_single_device(n: int, path: str) -> None:
   """The bundled Gemma 3 270M (4 query heads, 1 KV head, 262k vocabulary) split n ways:
   the single-device engine's greedy tokens (those equal transformers', test_engine_gemma)."""
@@ -171,6 +200,10 @@ def test_split_step_equals_single_device(n):
 @pytest.mark.parametrize("n", [2, 4])
 def test_engine_tokens_equal_single_device(n):
   _in_interpreter_with_devices(n, "check_engine_tokens_equal_single_device")
+
+
+def test_donated_model_is_freed_once_split():
+  _in_interpreter_with_devices(2, "check_donated_model_is_freed_once_split")
 
 
 @pytest.mark.gpu

@@ -145,13 +145,16 @@ class Engine:
   KernelOptions' fields by name (`Engine(model, tok, max_seqs=16, attention="pallas")`).
   region: the mailbox's memory (default: anonymous memory; with `shm_name`, POSIX shared
   memory of that name, "" for a random one, that the frontend workers map and this engine
-  unlinks at shutdown).
+  unlinks at shutdown). donate_model: the engine may delete `model`'s arrays it does not
+  hold (its q/k/v and gate/up weights, which it keeps fused; with tensor parallelism the
+  unsplit originals), so that their memory goes to the KV cache; `model` cannot run after
+  (`from_checkpoint` donates the model it loads).
   """
 
   def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, *,
                region: Any = None, shm_name: str | None = None, model_name: str = "model",
                tokenizer_path: str | None = None, eos_ids: Sequence[int] | None = None,
-               device: Any = None, **overrides):
+               device: Any = None, donate_model: bool = False, **overrides):
     import jax
 
     cfg = model.cfg
@@ -172,7 +175,7 @@ class Engine:
     # From here on a failed start (e.g. a kernel that does not compile) unregisters the
     # mailbox and removes its shared memory: nothing leaks.
     try:
-      carry = self._build_executor(model, asked)
+      carry = self._build_executor(model, asked, donate_model)
       self._start(carry)
     except BaseException:
       self._release_memory()
@@ -198,7 +201,7 @@ class Engine:
                         eos_id=self.eos_ids[0] if self.eos_ids else 0)
     self._registration = None
 
-  def _build_executor(self, model, asked: EngineConfig):
+  def _build_executor(self, model, asked: EngineConfig, donate_model: bool):
     """Maps the mailbox for the GPU, builds and compiles the executor; returns its carry."""
     from blink_jax.executor.loop import Executor
     from blink_jax.native import ffi, host_memory
@@ -220,7 +223,8 @@ class Engine:
         window_pages=c.window_pages(cfg.sliding_window) if c.windowed_pages else 0)
     self.executor = Executor(model, self.sched, max_top_logprobs=c.max_top_logprobs,
                              device=self.device, tensor_parallel=c.tensor_parallel,
-                             kernels=asked.kernels)  # "auto" kept: it may fall back
+                             kernels=asked.kernels,  # "auto" kept: it may fall back
+                             donate_model=donate_model)
     memory = None
     if c.kv_pages is None:
       memory = self._size_kv_cache()
@@ -340,13 +344,16 @@ class Engine:
       log.info("random weights in the %s shape", cfg.name)
       model = Gemma(cfg, dtype=dtypes[dtype], rngs=nnx.Rngs(0))
       tok = Tokenizer(tokenizer_path) if tokenizer_path else None
-      return cls(model, tok, model_name=str(name_or_path), tokenizer_path=tokenizer_path, **kw)
+      return cls(model, tok, model_name=str(name_or_path), tokenizer_path=tokenizer_path,
+                 donate_model=True, **kw)
     path = resolve_checkpoint(name_or_path)
     cfg, params = load_checkpoint(path, dtype=dtypes[dtype])
     model = Gemma.from_params(cfg, params, dtype=dtypes[dtype])
     tok = load_tokenizer(path)
+    del params  # the model holds them now: donated, the unfused ones are freed
     return cls(model, tok, model_name=str(name_or_path),
-               tokenizer_path=tokenizer_path or str(path / "tokenizer.model"), **kw)
+               tokenizer_path=tokenizer_path or str(path / "tokenizer.model"),
+               donate_model=True, **kw)
 
   # ---- lifecycle ----
   def _set_engine_state(self, state: protocol.EngineState) -> None:
@@ -665,4 +672,4 @@ class Engine:
 
 # Keywords of Engine that are not EngineConfig fields.
 _ENGINE_KEYWORDS = frozenset({"config", "region", "shm_name", "model_name", "tokenizer_path",
-                              "eos_ids", "device"})
+                              "eos_ids", "device", "donate_model"})

@@ -32,7 +32,7 @@ from blink_jax.engine_config import KernelOptions
 from blink_jax.executor import xla_flags
 from blink_jax.executor.loop_report import XLA_OP_BY_OP_LINE, capture_stderr, command_buffer_report
 from blink_jax.kernels.select import step_kernels
-from blink_jax.model.gemma import Gemma, init_kv_cache, kv_page_bytes, ring_bytes
+from blink_jax.model.gemma import Block, Gemma, init_kv_cache, kv_page_bytes, ring_bytes
 from blink_jax.model.sampling import sample, top_n
 from blink_jax.model.tensor_parallel import TP_AXIS, TensorParallel
 from blink_jax.native import batch, ffi
@@ -83,13 +83,16 @@ class Executor:
 
   def __init__(self, model: Gemma, sched: ffi.SchedConfig, *, max_top_logprobs: int,
                device: jax.Device | None = None, kernels: KernelOptions | None = None,
-               tensor_parallel: int = 1):
+               tensor_parallel: int = 1, donate_model: bool = False):
     """kernels: the step's kernels (`KernelOptions`; "auto" resolved for this device, see
     `blink_jax.kernels.select`). tensor_parallel: the weights and KV cache split over that
     many devices of `device`'s platform, `device` first (docs/ARCHITECTURE.md, "Tensor
-    parallelism (design)"); persistent mode only."""
+    parallelism (design)"); persistent mode only. donate_model: `model`'s arrays that the
+    executor does not hold (the q/k/v and gate/up weights it keeps fused; with tensor
+    parallelism every unsplit original) are deleted, so their memory counts for the KV
+    cache; the model cannot run afterwards."""
     ffi.register_targets()
-    self.model = model
+    self.cfg, self.dtype = model.cfg, model.dtype
     self.sched = sched
     self.max_top = max_top_logprobs
     self.device = device or jax.devices()[0]
@@ -132,6 +135,7 @@ class Executor:
       fused = jax.shard_map(fused, mesh=self.mesh, in_specs=(self._param_specs,),
                             out_specs=P(None, TP_AXIS), check_vma=False)
     self.fused = jax.jit(fused)(self.params)
+    self._drop_fused_away(model, donate_model)
     # Zero outputs for empty steps and requests without logprobs, made once: a zero-fill
     # inside the loop would be a memset, which XLA cannot capture into a CUDA graph.
     n, k, r = sched.max_seqs, max_top_logprobs, sched.token_budget
@@ -144,6 +148,28 @@ class Executor:
       self.zero_words = jax.device_put(np.zeros((ffi.batch_words(sched),), np.int32),
                                        self._replicated)
     self._make_jits()
+
+  def _drop_fused_away(self, model: Gemma, donate: bool) -> None:
+    """Replaces the weights the fused copies hold (`Block.FUSED_AWAY`) by empty placeholders
+    in the loop's inputs: each was kept twice, 0.9 of the 1B's 2.0 GB of weights again and
+    34 of the 27B's 54 GB (docs/ARCHITECTURE.md, "Parameter tree"). donate: then deletes the
+    model's arrays whose buffers the executor does not hold."""
+    paths = jax.tree_util.tree_flatten_with_path(
+        jax.tree.unflatten(self._params_def, self.params))[0]
+    names = [tuple(getattr(k, "key", getattr(k, "name", k)) for k in path) for path, _ in paths]
+    away = [len(n) >= 3 and n[-3:-1] in Block.FUSED_AWAY for n in names]
+    if self.tp is None:
+      empty = lambda a: jax.device_put(jnp.zeros((0,), a.dtype), self.device)  # noqa: E731
+    else:
+      empty = lambda a: jax.device_put(jnp.zeros((0,), a.dtype), self._replicated)  # noqa: E731
+    self.params = tuple(empty(a) if gone else a for a, gone in zip(self.params, away))
+    if donate:
+      held = {s.data.unsafe_buffer_pointer() for a in jax.tree.leaves((self.params, self.fused))
+              for s in a.addressable_shards}
+      for a in jax.tree.leaves(nnx.state(model, nnx.Param)):
+        if isinstance(a, jax.Array) and not a.is_deleted() and held.isdisjoint(
+            s.data.unsafe_buffer_pointer() for s in a.addressable_shards):
+          a.delete()
 
   def _make_jits(self):
     """The jitted step and loop. Fresh partials each time: jax caches traces by function,
@@ -184,12 +210,12 @@ class Executor:
     and scatters 16-bit floats through float32 copies of the whole cache, every layer and
     step (a bfloat16 token of the 270M cost 290 instead of 60 ms); a float32 cache holds the
     same values, since the rows written are rounded to the model's dtype first."""
-    return self.model.dtype if self.on_gpu else jnp.float32
+    return self.dtype if self.on_gpu else jnp.float32
 
   @property
   def _device_cfg(self):
     """The model config one device holds (its shard's, with tensor parallelism)."""
-    return self.model.cfg if self.tp is None else self.tp.local_config()
+    return self.cfg if self.tp is None else self.tp.local_config()
 
   @property
   def page_bytes(self) -> int:
@@ -217,7 +243,7 @@ class Executor:
     the sampler's over the samples): four are reserved, plus 512 MiB for the activations,
     the carry's history and page table and XLA's scratch. For Gemma 3 1B (vocab 262,144,
     budget 256) that is 1.5 GiB. The engine checks the compiled loop against it."""
-    return 4 * self.sched.token_budget * self.model.cfg.vocab_size * 4 + (512 << 20)
+    return 4 * self.sched.token_budget * self.cfg.vocab_size * 4 + (512 << 20)
 
   def set_num_pages(self, num_pages: int) -> None:
     """The KV cache's page count, set before `initial_carry` and `compile` (the engine sizes
@@ -245,7 +271,7 @@ class Executor:
       return Carry(
           state=jnp.asarray(state), history=jnp.asarray(history),
           page_table=jnp.asarray(page_table),
-          kv=init_kv_cache(self.model.cfg, s.num_pages, s.page_size, self.kv_dtype,
+          kv=init_kv_cache(self.cfg, s.num_pages, s.page_size, self.kv_dtype,
                            ring_pages=self.ring_pages),
           shutdown=jnp.zeros((), jnp.int32))
 

@@ -144,6 +144,9 @@ class Attention(nnx.Module):
     self.k = _normal(rngs, (d, k, h), d**-0.5, param_dtype)
     self.v = _normal(rngs, (d, k, h), d**-0.5, param_dtype)
     self.o = _normal(rngs, (n, h, d), (n * h)**-0.5, param_dtype)
+    # The head counts and size as static fields, not read off q and k: a serving loop that
+    # holds only their fused copy (the executor) passes placeholders for them.
+    self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
     self.use_qk_norm = cfg.use_qk_norm
     if cfg.use_qk_norm:
       self.q_norm = _norm_weight(rngs, h, param_dtype)
@@ -180,11 +183,11 @@ class Attention(nnx.Module):
 
   def heads(self) -> dict[str, int]:
     """The head counts `split_qkv` and the prepare functions take."""
-    return dict(num_heads=self.q.shape[1], num_kv_heads=self.k.shape[1])
+    return dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)
 
   def rope_tables(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """This layer's RoPE cos and sin at positions (its base and scale)."""
-    return rope_tables(positions, self.q.shape[-1], self.rope_base, self.rope_scale)
+    return rope_tables(positions, self.head_dim, self.rope_base, self.rope_scale)
 
   def norm_weights(self) -> tuple[jax.Array | None, jax.Array | None]:
     """The q and k RMSNorm weights (Gemma 3), or None twice (Gemma 2)."""
@@ -274,6 +277,10 @@ class Block(nnx.Module):
                             self.eps)
     return x, kernels.ffw_down(self.mlp.gate_up(y, gate_up, kernels.gate_up_matmul),
                                self.mlp.down[...])
+
+  # The weights `fused_weights` concatenates, as (sub-module, name): a forward given `fused`
+  # reads none of them, so a serving loop holds only the fused copies.
+  FUSED_AWAY = (("attn", "q"), ("attn", "k"), ("attn", "v"), ("mlp", "gate"), ("mlp", "up"))
 
   def fused_weights(self) -> tuple[jax.Array, jax.Array]:
     """(`Attention.qkv_weight`, `MLP.gate_up_weight`): what `Gemma.forward` takes as
