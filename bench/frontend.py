@@ -42,6 +42,9 @@ def define_flags():
                      "(the 1B shape's step at a few hundred rows on the H200 is 3-10 ms); 0: "
                      "as fast as it goes, tokens then arrive many per chunk")
   flags.DEFINE_integer("repeats", 2, "runs per worker count (alternated)")
+  flags.DEFINE_string("tokenizer", "", "SentencePiece model the workers detokenize with (e.g. "
+                      "Gemma's, checkpoints/gemma/tokenizer.model); default: the tests' tiny one, "
+                      "whose pieces are cheaper to decode")
   flags.DEFINE_string("out", "bench/results/frontend_fake.json", "JSON result")
 
 
@@ -49,7 +52,7 @@ def define_flags():
 def fake_server(workers: int, streams: int, step_ms: float, tmp: pathlib.Path):
   """serve.py over the fake device with `workers` frontend workers; yields (port, pid)."""
   from tests import fake_device as FD
-  tok = FD.tiny_tokenizer(tmp / "tok")
+  tok = pathlib.Path(FLAGS.tokenizer) if FLAGS.tokenizer else FD.tiny_tokenizer(tmp / "tok")
   port, info = FD.free_port(), tmp / f"info_{workers}.json"
   info.unlink(missing_ok=True)
   cmd = [sys.executable, "-c", "import sys; from tests.fake_device import fake_serve; "
@@ -111,7 +114,8 @@ def main(argv):
   C.write_result(FLAGS.out, "frontend", rows, {
       "host_cpu": C.cpu_model(), "streams": FLAGS.streams, "step_ms": FLAGS.step_ms,
       "input_len": FLAGS.input_len,
-      "output_len": FLAGS.output_len, "load_generator_cpus": sorted(os.sched_getaffinity(0))})
+      "output_len": FLAGS.output_len, "load_generator_cpus": sorted(os.sched_getaffinity(0)),
+      "tokenizer": FLAGS.tokenizer or "tiny (tests/fake_device.py)"})
   print(C.table(rows, ["workers", "output_throughput_median", "output_throughput_min",
                        "output_throughput_max", "chunks_per_token_median",
                        "frontend_cpu_s_per_1k_tokens_median", "failed"]))

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from blink_jax.client import tokenizer as tk
 from blink_jax.client.tokenizer import Tokenizer, build_sentencepiece_model
@@ -217,6 +218,62 @@ def test_incremental_detokenizer(tokenizer):
   assert [detok.push(i) for i in byte_ids] == ["", "", "", "🙂"]
   detok = tokenizer.detokenizer()
   assert detok.push(byte_ids[0]) == "" and detok.flush() == "\ufffd"
+
+
+def _deltas_by_definition(tok: Tokenizer, ids) -> list[str]:
+  """IncrementalDetokenizer's deltas as it defines them, two decodes a token (the window
+  since the last emitted boundary, with and without the new token), then its flush."""
+  seen, prefix, read, out = [], 0, 0, []
+  for t in ids:
+    seen.append(t)
+    done, text = tok.decode(seen[prefix:read]), tok.decode(seen[prefix:])
+    if len(text) > len(done) and not text.endswith("\ufffd"):
+      prefix, read = read, len(seen)
+      out.append(text[len(done):])
+    else:
+      out.append("")
+  return out + [tok.decode(seen[prefix:])[len(tok.decode(seen[prefix:read])):]]
+
+
+def _id_lists(tok: Tokenizer):
+  """Token id lists mixing any ids with byte, control, unknown and unused pieces."""
+  special = [i for i in range(tok.vocab_size) if tok.sp.is_byte(i) or tok.sp.is_control(i)
+             or tok.sp.is_unknown(i) or tok.sp.is_unused(i)][:400]
+  return st.lists(st.one_of(st.integers(0, tok.vocab_size - 1), st.sampled_from(special),
+                            st.integers(0, min(tok.vocab_size, 3000) - 1)), max_size=40)
+
+
+def _check_deltas(tok: Tokenizer, data) -> None:
+  ids = data.draw(_id_lists(tok))
+  detok = tok.detokenizer()
+  assert [detok.push(i) for i in ids] + [detok.flush()] == _deltas_by_definition(tok, ids)
+
+
+_PROPERTY = settings(max_examples=200, deadline=None,
+                     suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@_PROPERTY
+@given(data=st.data())
+def test_incremental_detokenizer_keeps_its_definition(tokenizer, data):
+  """A normal piece after an emitted window adds its surface without a SentencePiece call:
+  the deltas are still the definition's, whatever pieces surround it."""
+  _check_deltas(tokenizer, data)
+
+
+@_PROPERTY
+@given(data=st.data())
+def test_incremental_detokenizer_keeps_its_definition_tiny(tokenizer_path, data):
+  _check_deltas(Tokenizer(str(tokenizer_path)), data)
+
+
+def test_surfaces_are_those_of_normal_pieces(tokenizer):
+  sp = tokenizer.sp
+  hello = sp.piece_to_id("\u2581Hello")
+  assert tokenizer.surface(hello) == " Hello"
+  assert tokenizer.decode([hello, hello]) == tokenizer.decode([hello]) + " Hello"
+  for i in (tokenizer.bos_id, sp.piece_to_id("<0x41>"), sp.unk_id(), -1, tokenizer.vocab_size):
+    assert tokenizer.surface(i) == "", i
 
 
 def test_built_model_small():

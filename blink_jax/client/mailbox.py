@@ -209,6 +209,7 @@ class MailboxClient:
     self._free = list(reversed(self.slots))
     self._seq: dict[int, int] = {}
     self._read: dict[int, int] = {}
+    self._wants: dict[int, tuple[bool, int]] = {}  # slot -> (logprobs, top-n) it asked for
     self._doorbell = int(self.header["doorbell"][worker])
     # Continue the sequence numbers a previous client of these slots left behind. A slot whose
     # request is still unfinished (its client died) is cancelled and kept out of the free list
@@ -311,6 +312,9 @@ class MailboxClient:
         req[k] = v
       req["seq"] = current  # unchanged until the payload is in place
       # Payload first (prompt, then the fixed fields), the sequence word last.
+      flags = int(req["flags"])
+      logprobs = bool(flags & (protocol.FLAG_LOGPROBS | protocol.FLAG_PROMPT_LOGPROBS))
+      self._wants[slot] = (logprobs, int(req["num_logprobs"]) if logprobs else 0)
       self.region.write(g.arena_offset + 4 * at,
                         np.asarray(r.prompt, dtype=np.int64).astype("<i4").tobytes())
       self.region.write(g.request_offset(slot), req.tobytes())
@@ -338,21 +342,25 @@ class MailboxClient:
     n = count - start
     tokens, lps, top = [], [], []
     if n > 0:
-      # The whole ring in one load (tokens | logprobs | top ids | top logprobs are contiguous):
-      # one round trip on a remote transport.
+      # One load of the arrays the request asked for (tokens | logprobs | top ids | top
+      # logprobs are contiguous): one round trip on a remote transport, and a request without
+      # logprobs (most) copies 4 bytes an entry of its ring, not 8 + 8 x max_top_logprobs.
       ring, k = g.ring_capacity, g.max_top_logprobs
+      logprobs, n_top = self._wants.get(slot, (True, k))
       base = g.out_tokens_offset(slot)
-      at = lambda offset: offset - base  # noqa: E731 - offsets inside the one load
-      raw = self.region.read(base, g.out_top_logprobs_offset(slot) + 4 * ring * k - base)
-      idx = (start + np.arange(n)) % ring
-      tokens = np.frombuffer(raw, "<i4", ring, 0)[idx].tolist()
-      lps = np.frombuffer(raw, "<f4", ring, at(g.out_logprobs_offset(slot)))[idx].tolist()
-      if k:
-        ti = np.frombuffer(raw, "<i4", ring * k, at(g.out_top_ids_offset(slot)))
-        ti = ti.reshape(ring, k)[idx].tolist()
-        tl = np.frombuffer(raw, "<f4", ring * k, at(g.out_top_logprobs_offset(slot)))
-        tl = tl.reshape(ring, k)[idx]
-        top = [list(zip(a, b)) for a, b in zip(ti, tl.tolist())]
+      end = (g.out_top_logprobs_offset(slot) + 4 * ring * k if n_top and k else
+             g.out_top_ids_offset(slot) if logprobs else g.out_logprobs_offset(slot))
+      raw = memoryview(self.region.read(base, end - base))
+      idx = [(start + i) % ring for i in range(n)]
+      ids = raw[:4 * ring].cast("i")  # native order: little-endian like the protocol
+      tokens = [ids[i] for i in idx]
+      if logprobs:
+        values = raw[4 * ring:8 * ring].cast("f")
+        lps = [values[i] for i in idx]
+      if n_top and k:
+        top_ids = raw[8 * ring:(8 + 4 * k) * ring].cast("i")
+        top_lps = raw[(8 + 4 * k) * ring:].cast("f")
+        top = [list(zip(top_ids[i * k:(i + 1) * k], top_lps[i * k:(i + 1) * k])) for i in idx]
       self._read[slot] = count
       self.region.write(g.request_offset(slot) + _CONSUMED, _u32(count))
     return Output(tokens, lps, top, finished,
@@ -381,4 +389,5 @@ class MailboxClient:
     worker's free lists."""
     with self._lock:
       self.arena.free(*self._prompts.pop(slot))
+      self._wants.pop(slot, None)
       self._free.append(slot)

@@ -43,6 +43,8 @@ class Tokenizer:
     else:
       self.sp = spm.SentencePieceProcessor(model_file=os.fspath(model))
     self.vocab_size: int = self.sp.get_piece_size()
+    self._surfaces: dict[int, str] | None = None  # `surface`'s cache, made on first use
+    self._plain_decoder = True
     self.bos_id: int = self._require(BOS)
     self.eos_id: int = self._require(EOS)
     self.pad_id: int = self.sp.pad_id()
@@ -138,6 +140,26 @@ class Tokenizer:
   def id_to_piece(self, i: int) -> str:
     return self.sp.id_to_piece(int(i))
 
+  def surface(self, i: int) -> str:
+    """The text a normal piece adds to any decode it does not start ("" for other pieces:
+    byte, control, unknown, unused, or a model whose decoder rewrites text): its piece with
+    SentencePiece's "\u2581" as a space. Cached by id."""
+    cache = self._surfaces
+    if cache is None:  # first use: a decoder that rewrites text gives no piece a surface
+      cache = self._surfaces = {}
+      self._plain_decoder = not _model_spec(self.sp.serialized_model_proto())["denormalizer"]
+    text = cache.get(i)
+    if text is None:
+      text = ""
+      if self._plain_decoder and 0 <= i < self.vocab_size and not (
+          self.sp.is_byte(i) or self.sp.is_control(i) or self.sp.is_unknown(i)
+          or self.sp.is_unused(i)):
+        text = self.sp.id_to_piece(i).replace("\u2581", " ")
+        if text.endswith("\ufffd"):
+          text = ""
+      cache[i] = text
+    return text
+
   # --- chat format -------------------------------------------------------------------------
 
   def chat_segments(self, messages: Sequence[Mapping[str, Any]], *,
@@ -222,7 +244,17 @@ class IncrementalDetokenizer:
 
   def push(self, token_id: int) -> str:
     """Adds one token; returns the text it completes (possibly "")."""
-    self._ids.append(int(token_id))
+    t = int(token_id)
+    self._ids.append(t)
+    if self._prefix < self._read == len(self._ids) - 1:
+      # The last push emitted its window, which decodes to whole characters, and t is not the
+      # first visible piece: a normal piece then adds its own surface, whatever came before.
+      # Two SentencePiece calls a token were the frontend's third cost after socket writes
+      # and the slot polls (docs/PERFORMANCE.md, "Frontend workers").
+      surface = self._tok.surface(t)
+      if surface:
+        self._prefix, self._read = self._read, len(self._ids)
+        return surface
     done = self._tok.decode(self._ids[self._prefix:self._read])
     text = self._tok.decode(self._ids[self._prefix:])
     if len(text) > len(done) and not text.endswith("\ufffd"):
@@ -242,7 +274,8 @@ def _model_spec(proto: bytes) -> dict:
   """What `Tokenizer.max_piece_bytes` needs of a serialized ModelProto: the normalizer's
   precompiled character map (empty: the identity) and remove_extra_whitespaces (default true),
   the trainer's byte_fallback (default false). Read with the wire format (see below)."""
-  out = {"charsmap": b"", "remove_extra_whitespaces": True, "byte_fallback": False}
+  out = {"charsmap": b"", "remove_extra_whitespaces": True, "byte_fallback": False,
+         "denormalizer": b""}
   for number, value in _fields(proto):
     if number == 2 and isinstance(value, bytes):  # trainer_spec
       for n, v in _fields(value):
@@ -254,6 +287,10 @@ def _model_spec(proto: bytes) -> dict:
           out["charsmap"] = v
         elif n == 4:
           out["remove_extra_whitespaces"] = bool(v)
+    elif number == 5 and isinstance(value, bytes):  # denormalizer_spec: rewrites decoded text
+      for n, v in _fields(value):
+        if n == 2 and isinstance(v, bytes):
+          out["denormalizer"] = v
   return out
 
 
