@@ -1093,7 +1093,7 @@ struct BlinkSched {
       int64_t last = lane(L_COMPUTED, l) + lane(L_SCHED_N, l) - 1;  // last row's position
       if (last > lane(L_PROMPT_LEN, l) - 2) last = lane(L_PROMPT_LEN, l) - 2;
       if (last < lane(L_PLP_DONE, l)) return;
-      const bool first = lane(L_PLP_DONE, l) == 0;
+      const bool first = lane(L_OUT_COUNT, l) == 0;  // entry 0 is among these
       lane(L_PLP_DONE, l) = int32_t(last + 1);
       lane(L_OUT_COUNT, l) = int32_t(last + 1);  // no generated entry precedes these
       uint8_t* o = out(lane(L_SLOT, l));

@@ -477,7 +477,8 @@ class MailboxDriver:
           flight.placed = None
           if out.first_ns >= out.taken_ns > 0:  # the same request's stamps, device clock
             self.metrics.device_first_output.observe((out.first_ns - out.taken_ns) / 1e9)
-      if out.finished and out.produced > 1 and out.token_ns > out.first_ns > 0 and self.metrics:
+      if (out.finished and out.produced > 1 and out.token_ns > out.first_ns > 0
+          and self.metrics is not None):
         self.metrics.device_tpot.observe(
             (out.token_ns - out.first_ns) / (out.produced - 1) / 1e9)
       if not flight.abandoned:

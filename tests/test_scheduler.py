@@ -58,6 +58,14 @@ def test_each_token_is_stamped_with_the_device_clock():
   assert t0 <= taken.pop() <= ns[0]
   assert all(f == 0 for c, _, _, f in stamps if c == 0)  # no entry yet: no first stamp
 
+  # With prompt logprobs entry 0 is the first prompt token's: stamped when that is written.
+  region, cfg = _setup()
+  stamps.clear()
+  H.run([H.Job(0, [5, 6, 7, 8], max_tokens=3, ignore_eos=True, prompt_logprobs=True)], cfg,
+        region, step_hook=hook)
+  written = [s for s in stamps if s[0] > 0]
+  assert written[0][0] == 3 and {s[3] for s in written} == {written[0][1]}
+
 
 def test_named_counters_read_from_the_state():
   """ffi.counters names the state's counters from the library's enum: loop iterations and
