@@ -267,6 +267,15 @@ def test_incremental_detokenizer_keeps_its_definition_tiny(tokenizer_path, data)
   _check_deltas(Tokenizer(str(tokenizer_path)), data)
 
 
+def test_every_surface_is_what_its_piece_adds_to_a_decode(tokenizer):
+  """The whole vocabulary: after a plain piece, each piece with a surface adds exactly it."""
+  the = tokenizer.sp.piece_to_id("\u2581the")
+  start = tokenizer.decode([the])
+  wrong = [i for i in range(tokenizer.vocab_size) if tokenizer.surface(i)
+           and tokenizer.decode([the, i]) != start + tokenizer.surface(i)]
+  assert not wrong, [(i, tokenizer.id_to_piece(i)) for i in wrong[:5]]
+
+
 def test_surfaces_are_those_of_normal_pieces(tokenizer):
   sp = tokenizer.sp
   hello = sp.piece_to_id("\u2581Hello")

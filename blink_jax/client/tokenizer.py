@@ -146,8 +146,8 @@ class Tokenizer:
     SentencePiece's "\u2581" as a space. Cached by id."""
     cache = self._surfaces
     if cache is None:  # first use: a decoder that rewrites text gives no piece a surface
-      cache = self._surfaces = {}
       self._plain_decoder = not _model_spec(self.sp.serialized_model_proto())["denormalizer"]
+      cache = self._surfaces = {}
     text = cache.get(i)
     if text is None:
       text = ""
@@ -271,9 +271,10 @@ class IncrementalDetokenizer:
 
 
 def _model_spec(proto: bytes) -> dict:
-  """What `Tokenizer.max_piece_bytes` needs of a serialized ModelProto: the normalizer's
-  precompiled character map (empty: the identity) and remove_extra_whitespaces (default true),
-  the trainer's byte_fallback (default false). Read with the wire format (see below)."""
+  """What `Tokenizer.max_piece_bytes` and `Tokenizer.surface` need of a serialized ModelProto:
+  the normalizer's precompiled character map (empty: the identity) and remove_extra_whitespaces
+  (default true), the trainer's byte_fallback (default false), the denormalizer's character
+  map (empty: decoding does not rewrite text). Read with the wire format (see below)."""
   out = {"charsmap": b"", "remove_extra_whitespaces": True, "byte_fallback": False,
          "denormalizer": b""}
   for number, value in _fields(proto):
