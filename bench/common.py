@@ -169,6 +169,18 @@ def define_kernel_flags(flag_values=None) -> None:
     define_field_flag(f, f.default, f.metadata.get("help", f.name), fv)
 
 
+def define_engine_flag(name: str, flag_values=None) -> None:
+  """The flag of EngineConfig field `name`, with scripts/serve.py's name and help and the
+  dataclass's default."""
+  import dataclasses
+
+  from absl import flags
+
+  from blink_jax.engine_config import EngineConfig, define_field_flag
+  f = next(f for f in dataclasses.fields(EngineConfig) if f.name == name)
+  define_field_flag(f, f.default, f.metadata.get("help", name), flag_values or flags.FLAGS)
+
+
 def kernel_options(flag_values=None):
   """The KernelOptions the kernel flags ask for."""
   from absl import flags

@@ -45,7 +45,7 @@ def define_flags():
   flags.DEFINE_list("buckets", ["1", "8", "64", "256"], "token buckets")
   flags.DEFINE_string("out", "bench/results/executor_latency.json", "JSON result file")
   C.define_kernel_flags()  # --attention --prefill --norm --gemv --decode_rows
-  _define_engine_flag("tensor_parallel")
+  C.define_engine_flag("tensor_parallel")
   flags.DEFINE_string("profile", None, "write a jax.profiler trace of each mode's engine, from "
                       "before its start to after its shutdown (the trace's stop waits for the "
                       "device), under this directory (<mode>_b<first batch>; "
@@ -54,15 +54,6 @@ def define_flags():
   flags.DEFINE_enum("warm_up", "workload", ["workload", "shutdown"],
                     "before serving, run every bucket branch once (workload) or only one "
                     "schedule (shutdown) in XLA's op-by-op first execution (docs/NOTES.md, 16)")
-
-
-def _define_engine_flag(name: str) -> None:
-  """An EngineConfig field's flag, with serve.py's name, help and default."""
-  import dataclasses
-
-  from blink_jax.engine_config import EngineConfig, define_field_flag
-  f = next(f for f in dataclasses.fields(EngineConfig) if f.name == name)
-  define_field_flag(f, f.default, f.metadata.get("help", name), FLAGS)
 
 
 def build_engine(mode: str, max_seqs: int):
@@ -181,9 +172,7 @@ def main(argv):
     reports[mode] = {"loop_report": eng.loop_report, "command_buffer_blockers": blockers[:12],
                      # what the executor runs ("auto" resolved, after any fallback)
                      "kernels": executor_kernels(eng),
-                     "devices": [str(d) for d in (eng.executor.mesh.devices.flat
-                                                  if FLAGS.tensor_parallel > 1
-                                                  else [eng.executor.device])],
+                     "devices": [str(d) for d in eng.executor.devices],
                      "startup_s": round(time.perf_counter() - t, 1)}
     print(mode, reports[mode], flush=True)
     try:

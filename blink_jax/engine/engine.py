@@ -229,8 +229,8 @@ class Engine:
     if c.kv_pages is None:
       memory = self._size_kv_cache()
       c = self.config
-    devices = (str(self.device) if c.tensor_parallel == 1 else
-               f"{', '.join(map(str, self.executor.mesh.devices.flat))} (tensor parallel)")
+    devices = ", ".join(map(str, self.executor.devices)) + (
+        " (tensor parallel)" if c.tensor_parallel > 1 else "")
     log.info("engine: model %s (%s, %d layers), dtype %s, device %s", self.model_name,
              cfg.name, cfg.num_layers, self.dtype, devices)
     log.info("engine config: %s", c.describe(memory))

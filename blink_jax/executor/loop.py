@@ -158,11 +158,9 @@ class Executor:
         jax.tree.unflatten(self._params_def, self.params))[0]
     names = [tuple(getattr(k, "key", getattr(k, "name", k)) for k in path) for path, _ in paths]
     away = [len(n) >= 3 and n[-3:-1] in Block.FUSED_AWAY for n in names]
-    if self.tp is None:
-      empty = lambda a: jax.device_put(jnp.zeros((0,), a.dtype), self.device)  # noqa: E731
-    else:
-      empty = lambda a: jax.device_put(jnp.zeros((0,), a.dtype), self._replicated)  # noqa: E731
-    self.params = tuple(empty(a) if gone else a for a, gone in zip(self.params, away))
+    where = self.device if self.tp is None else self._replicated
+    self.params = tuple(jax.device_put(jnp.zeros((0,), a.dtype), where) if gone else a
+                        for a, gone in zip(self.params, away))
     if donate:
       held = {s.data.unsafe_buffer_pointer() for a in jax.tree.leaves((self.params, self.fused))
               for s in a.addressable_shards}
@@ -183,6 +181,11 @@ class Executor:
                          keep_unused=True)
     self._loop = jax.jit(functools.partial(Executor._loop_fn, self), donate_argnums=(1,),
                          keep_unused=True)
+
+  @property
+  def devices(self) -> list[jax.Device]:
+    """The devices the loop runs on: `device`, or the tensor-parallel mesh's, leader first."""
+    return [self.device] if self.tp is None else list(self.mesh.devices.flat)
 
   @property
   def _replicated(self) -> jax.sharding.NamedSharding:
