@@ -93,9 +93,21 @@ def _check_split(rng, *, tokens, decode, head, window, head_dim, page_size, max_
 @given(seed=st.integers(0, 2**16), decode=st.integers(0, 12), head=st.integers(1, 32),
        window=st.sampled_from([None, 5]))
 def test_a_step_split_at_its_head_equals_the_reference(seed, decode, head, window):
-  """Whether the head ends inside the decode rows, at their end, or inside a prompt chunk."""
+  """Whether the decode rows fill the head, end before it (the prompt chunks then go to the
+  prefill kernel whole), or there are none."""
   _check_split(np.random.default_rng(seed), tokens=32, decode=decode, head=head, window=window,
                head_dim=16, page_size=4, max_pages=10)
+
+
+def test_leading_single_rows_are_a_steps_decode_rows():
+  from blink_jax.kernels.select import leading_single_rows
+  n = lambda seq, limit=8: int(leading_single_rows(np.array(seq, np.int32), limit))  # noqa: E731
+  assert n([4, 7, 2, 5, 5, 5, -1, -1]) == 3  # three decode rows, a chunk, padding
+  assert n([5, 5, 5, 4, 7]) == 0             # no decode rows: a chunk first
+  assert n([4, 7, 2, 9], limit=2) == 2       # at most `limit`
+  assert n([4, 7, 2, 9]) == 4                # decode rows only
+  assert n([4, 7, 3, 2, 2]) == 3             # a one-token chunk (3) counts: exact either way
+  assert n([-1, -1, 4]) == 0                 # padding is no decode row
 
 
 def test_a_prefill_chunk_reads_what_write_kv_wrote():

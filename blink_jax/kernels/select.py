@@ -6,8 +6,8 @@ The one place that knows how the fast kernels fit together:
   Pallas norm kernels too, the q/k prepare kernel hands it the query already grouped by KV
   head and padded;
 - larger steps run the Pallas prefill attention when `prefill` is "pallas"; with the Pallas
-  decode attention too, their first `decode_head` rows (where the scheduler puts the decode
-  rows) go to the decode kernel (`head_then_rest`);
+  decode attention too, their leading decode rows (where the scheduler puts them), at most
+  `decode_head`, go to the decode kernel (`head_then_rest`);
 - "blocked" (the CPU's default for both) runs `blocked_attention`, which reads only the key
   blocks up to the step's context; "reference" the oracle, which reads every whole page table;
 - the CUDA GEMV runs the named projections of steps of up to 8 tokens; the output and down
@@ -27,17 +27,35 @@ from blink_jax.kernels import (blocked_attention, cpu_matmul, cuda_gemv, pallas_
 from blink_jax.model.gemma import StepKernels
 
 
+def leading_single_rows(seq_ids, limit: int):
+  """How many of the first `limit` rows each hold a sequence's only token of the step: a
+  step's decode rows, which come first (a one-token prompt chunk among them counts too)."""
+  seq = jnp.asarray(seq_ids, jnp.int32)[:limit + 1]
+  before = jnp.concatenate([jnp.full((1,), -2, jnp.int32), seq[:-1]])
+  after = jnp.concatenate([seq[1:], jnp.full((1,), -2, jnp.int32)])
+  single = ((seq >= 0) & (seq != before) & (seq != after))[:limit]
+  return jnp.sum(jnp.cumprod(single.astype(jnp.int32)))
+
+
 def head_then_rest(q, kv_pages, page_table, seq_ids, positions, *, head: int, head_fn, rest_fn,
                    **kw):
-  """Paged attention of a step's first `head` rows by head_fn and of the others by rest_fn
-  (the same arguments and result, `attention.paged_attention_reference`'s). Every row
-  attends to its own sequence's cached keys, so any split is exact: a prompt chunk that
-  starts in the head (fewer decode rows than `head`) is only read in two parts."""
-  first = head_fn(q[:head], kv_pages, page_table, seq_ids[:head], positions[:head], **kw)
-  if head >= q.shape[0]:
-    return first
-  rest = rest_fn(q[head:], kv_pages, page_table, seq_ids[head:], positions[head:], **kw)
-  return jnp.concatenate([first, rest.astype(first.dtype)])
+  """Paged attention of a step's leading single-token rows (its decode rows, at most `head`
+  of them) by head_fn and of the others by rest_fn (the same arguments and result,
+  `attention.paged_attention_reference`'s). Every row attends to its own sequence's cached
+  keys, so any split is exact; the split point is found at run time, and each kernel sees
+  the other's rows as padding (sequence -1: no pages read). A step of at most `head` rows
+  goes to head_fn whole (a second kernel would cost more than it saves there)."""
+  rows = q.shape[0]
+  if head >= rows:
+    return head_fn(q, kv_pages, page_table, seq_ids, positions, **kw)
+  seq = jnp.asarray(seq_ids, jnp.int32)
+  in_head = jnp.arange(rows) < leading_single_rows(seq, head)
+  first = head_fn(q[:head], kv_pages, page_table, jnp.where(in_head[:head], seq[:head], -1),
+                  positions[:head], **kw)
+  rest = rest_fn(q, kv_pages, page_table, jnp.where(in_head, -1, seq), positions, **kw)
+  first = jnp.pad(first, ((0, rows - head),) + ((0, 0),) * (first.ndim - 1))
+  return jnp.where(in_head.reshape((rows,) + (1,) * (first.ndim - 1)), first,
+                   rest.astype(first.dtype))
 
 
 def step_kernels(cfg, options: KernelOptions, rows: int, *, interpret: bool) -> StepKernels:
