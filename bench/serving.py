@@ -509,9 +509,11 @@ class ServerCPU:
 # (nic_frontend/metrics.py): with the output tokens they say how many model steps a token
 # costs, the figure behind the energy per token (docs/PERFORMANCE.md, "Energy").
 DEVICE_COUNTERS = ("steps", "loop_iterations", "tokens_generated", "prompt_tokens",
-                   "prefix_cache_queries", "prefix_cache_hits",
+                   "prefix_cache_queries", "prefix_cache_hits", "slot_scans",
                    # the scheduler kernels' device time (CUDA only), read per loop iteration
                    "schedule_seconds", "commit_seconds")
+# ... and the schedule kernel's time by phase (a family labelled by phase): "schedule_<phase>"
+SCHEDULE_PHASE_FAMILY = "blink_gpu_schedule_phase_seconds"
 
 
 # The frontend's own latency histograms: their means over a rate, measured from the moment
@@ -566,6 +568,10 @@ def parse_device_counters(text: str) -> dict[str, float]:
       for s in f.samples:
         if s.name.endswith("_total"):
           add(counters[f.name], s.value)
+    elif f.name == SCHEDULE_PHASE_FAMILY:
+      for s in f.samples:
+        if s.name.endswith("_total"):
+          add(f"schedule_{s.labels['phase']}_seconds", s.value)
     elif f.name == VLLM_STEP_HISTOGRAM:
       for s in f.samples:
         if s.name.endswith("_count"):
@@ -618,11 +624,16 @@ class DeviceCounters:
     step_tokens = d["step_tokens"] if "step_tokens" in d else (
         d.get("tokens_generated", 0) + d.get("prompt_tokens", 0))
     iterations = d.get("loop_iterations")
+    phases = sorted(k[9:-8] for k in d if k.startswith("schedule_") and k.endswith("_seconds")
+                    and k != "schedule_seconds")
     kernel_us = {f"device_{k}_us_per_iteration": 1e6 * d[f"{k}_seconds"] / iterations
-                 if iterations and f"{k}_seconds" in d else None for k in ("schedule", "commit")}
+                 if iterations and f"{k}_seconds" in d else None
+                 for k in ("schedule", "commit", *(f"schedule_{p}" for p in phases))}
     return {**mean_ms, **kernel_us, "device_steps": steps, "device_loop_iterations": iterations,
             "device_steps_per_output_token": steps / output_tokens if output_tokens else None,
             "device_tokens_per_step": step_tokens / steps if steps else None,
+            "device_slot_scans_per_iteration":
+                d["slot_scans"] / iterations if iterations and "slot_scans" in d else None,
             # prompt tokens looked up in / served from the prefix cache (vLLM's names)
             "prefix_cache_queries": d.get("prefix_cache_queries"),
             "prefix_cache_hits": d.get("prefix_cache_hits")}

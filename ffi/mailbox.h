@@ -55,7 +55,7 @@
 #include <stdint.h>
 
 #define BLINK_MAGIC 0x31424d4b4e494c42ULL  // "BLINKMB1" little-endian
-#define BLINK_VERSION 4u
+#define BLINK_VERSION 5u
 #define BLINK_MAX_WORKERS 64
 #define BLINK_MAX_STOP_IDS 16
 #define BLINK_HEADER_BYTES 1024
@@ -142,7 +142,17 @@ struct BlinkMailboxHeader {
   uint64_t commit_ns;           // with loop_iterations, what a step costs outside the model
   uint64_t prefix_cache_queries;  // prompt tokens admitted with prefix caching on
   uint64_t prefix_cache_hits;     // of those, tokens whose K/V came from cached pages
-  uint8_t pad1[BLINK_HEADER_BYTES - 640 - 18 * 8];
+  // schedule passes that scanned the slots for new requests (a doorbell moved, or a rescan)
+  uint64_t slot_scans;
+  // schedule_ns by phase (CUDA only; docs/ARCHITECTURE.md, "Counters and timestamps"): the
+  // doorbells' round trip and slot scan, lane checks and releases, decode rows, prefill and
+  // admission (prompt copies), the batch's arrays and idle polling
+  uint64_t sched_scan_ns;
+  uint64_t sched_poll_ns;
+  uint64_t sched_decode_ns;
+  uint64_t sched_admit_ns;
+  uint64_t sched_batch_ns;
+  uint8_t pad1[BLINK_HEADER_BYTES - 640 - 24 * 8];
 };
 
 struct BlinkSlotRequest {

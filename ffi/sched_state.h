@@ -123,8 +123,9 @@ enum BlinkCounter {
   C_PREEMPTIONS,
   C_SCHEDULE_NS,   // device time inside the schedule kernel (CUDA handlers only)
   C_COMMIT_NS,     // device time inside the commit kernel (CUDA handlers only)
-  // Time inside schedule by phase (not published; benchmarks read them from the state):
-  C_SCHED_POLL_NS,    // doorbells, slot scan, lane checks, release of finished lanes
+  // Time inside schedule by phase (device only; published with C_SCHED_SCAN_NS and
+  // C_SLOT_SCANS below):
+  C_SCHED_POLL_NS,    // lane checks, release of finished lanes
   C_SCHED_DECODE_NS,  // one row per decode-ready lane
   C_SCHED_ADMIT_NS,   // prefill chunks, admission, prompt copies, the batch's header
   C_SCHED_BATCH_NS,   // the batch's token and sample arrays, counters, idle polling
@@ -132,7 +133,9 @@ enum BlinkCounter {
   C_PACED_NS,         // time those waits took (clock of the executing side)
   C_PREFIX_QUERIES,   // prompt tokens of requests admitted with prefix caching on
   C_PREFIX_HITS,      // of those, tokens whose K/V came from cached pages
-  C_NUM_COUNTERS = 20
+  C_SCHED_SCAN_NS,    // schedule phase: the doorbells' round trip and, when one moved, the slot scan
+  C_SLOT_SCANS,       // schedule passes that scanned the slots (a doorbell moved, or a rescan)
+  C_NUM_COUNTERS = 22
 };
 
 // Per-lane fields, each an int32 array of max_seqs.

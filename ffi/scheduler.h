@@ -502,6 +502,7 @@ struct BlinkSched {
       else
         begin_pass(x, pass == 0, [&](int64_t w) { return poll_word(w); });
       if (s(S_SCAN)) scan_slots(x);
+      phase_done(C_SCHED_SCAN_NS);
       check_lanes(x);
       if (s(S_ANY_REGISTER)) x.serial([&] { register_all(); });
       if (s(S_ANY_FINISH)) release_finished(x);
@@ -582,7 +583,10 @@ struct BlinkSched {
     int32_t *flag = region(lay.scratch_a), *off = region(lay.scratch_b),
             *seqs = region(lay.scratch_c), *taken = region(lay.taken);
     int32_t* busy = region(lay.busy);
-    x.serial([&] { s(S_RESCAN) = 0; });
+    x.serial([&] {
+      s(S_RESCAN) = 0;
+      counter(C_SLOT_SCANS)++;
+    });
     x.parallel(c.num_slots, [&](int64_t sl) {
       uint32_t seq = blink_load_acquire<uint32_t>(req(sl) + REQ_OFF(seq));
       seqs[sl] = int32_t(seq);
@@ -910,6 +914,12 @@ struct BlinkSched {
     blink_store<uint64_t>(&h->commit_ns, counter(C_COMMIT_NS));
     blink_store<uint64_t>(&h->prefix_cache_queries, counter(C_PREFIX_QUERIES));
     blink_store<uint64_t>(&h->prefix_cache_hits, counter(C_PREFIX_HITS));
+    blink_store<uint64_t>(&h->slot_scans, counter(C_SLOT_SCANS));
+    blink_store<uint64_t>(&h->sched_scan_ns, counter(C_SCHED_SCAN_NS));
+    blink_store<uint64_t>(&h->sched_poll_ns, counter(C_SCHED_POLL_NS));
+    blink_store<uint64_t>(&h->sched_decode_ns, counter(C_SCHED_DECODE_NS));
+    blink_store<uint64_t>(&h->sched_admit_ns, counter(C_SCHED_ADMIT_NS));
+    blink_store<uint64_t>(&h->sched_batch_ns, counter(C_SCHED_BATCH_NS));
   }
 
   // The doorbells of the attached workers summed (uint32 wrap, as begin_pass sums them).

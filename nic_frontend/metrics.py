@@ -31,12 +31,17 @@ GPU_COUNTERS = ("loop_iterations", "steps", "tokens_generated", "prompt_tokens",
                 "requests_admitted", "requests_finished", "requests_errored",
                 "requests_cancelled", "preemptions",
                 # vLLM's prefix-cache counters (tokens), 0 with prefix caching off
-                "prefix_cache_queries", "prefix_cache_hits")
+                "prefix_cache_queries", "prefix_cache_hits",
+                # schedule passes that scanned the slots for new requests
+                "slot_scans")
 GPU_GAUGES = ("pages_in_use", "pages_total", "running", "waiting", "last_step_tokens")
 # Device time inside the scheduler's two kernels, published in ns (CUDA only: 0 on the CPU),
 # exported in seconds: per loop iteration, what a step costs outside the model, the part
 # that reads and writes the mailbox in host memory.
 GPU_SECONDS = {"schedule_ns": "schedule_seconds", "commit_ns": "commit_seconds"}
+# The schedule kernel's time by phase (header sched_<phase>_ns), one family labelled by phase:
+# which part grows when a step slows down (docs/ARCHITECTURE.md, "Counters and timestamps").
+SCHEDULE_PHASES = ("scan", "poll", "decode", "admit", "batch")
 
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -76,6 +81,14 @@ class HeaderCollector:
                               f"{field[:-3]} kernel (CUDA only)")
       c.add_metric([], h[field] / 1e9)
       yield c
+    phases = CounterMetricFamily(
+        "blink_gpu_schedule_phase_seconds", "Device time in the scheduler's schedule kernel by "
+        "phase (CUDA only): scan (doorbells, slot scan), poll (lane checks, releases), decode, "
+        "admit (prefill chunks, admissions, prompt copies), batch (arrays, idle polling)",
+        labels=["phase"])
+    for phase in SCHEDULE_PHASES:
+      phases.add_metric([phase], h[f"sched_{phase}_ns"] / 1e9)
+    yield phases
     for name in GPU_GAUGES:
       g = GaugeMetricFamily(f"blink_gpu_{name}", f"GPU-published gauge {name}")
       g.add_metric([], h[name])

@@ -248,11 +248,15 @@ def test_step_counters_of_vllm_and_blink_metrics():
 
   reg = CollectorRegistry()
   for name, value in (("steps", 40), ("tokens_generated", 100), ("prompt_tokens", 60),
-                      ("schedule_seconds", 0.5), ("commit_seconds", 0.25)):
+                      ("schedule_seconds", 0.5), ("commit_seconds", 0.25), ("slot_scans", 7)):
     Counter(f"blink_gpu_{name}", name, registry=reg).inc(value)
+  phases = Counter("blink_gpu_schedule_phase_seconds", "by phase", ["phase"], registry=reg)
+  phases.labels("scan").inc(0.125)
+  phases.labels("admit").inc(0.25)
   got = BS.parse_device_counters(generate_latest(reg).decode())
   assert got == {"steps": 40.0, "tokens_generated": 100.0, "prompt_tokens": 60.0,
-                 "schedule_seconds": 0.5, "commit_seconds": 0.25}
+                 "schedule_seconds": 0.5, "commit_seconds": 0.25, "slot_scans": 7.0,
+                 "schedule_scan_seconds": 0.125, "schedule_admit_seconds": 0.25}
 
   counters = BS.DeviceCounters("http://unused", {})
   counters.before = {"steps": 10.0, "step_tokens": 100.0}
@@ -263,12 +267,16 @@ def test_step_counters_of_vllm_and_blink_metrics():
   assert row["device_schedule_us_per_iteration"] is None  # vLLM: no loop, no kernel times
   # blink: the scheduler kernels' device time per loop iteration
   counters.before = {"steps": 10.0, "loop_iterations": 100.0, "schedule_seconds": 1.0,
-                     "commit_seconds": 0.5}
+                     "commit_seconds": 0.5, "schedule_scan_seconds": 0.25, "slot_scans": 3.0}
   counters.after = {"steps": 30.0, "loop_iterations": 600.0, "schedule_seconds": 1.005,
-                    "commit_seconds": 0.5025}
+                    "commit_seconds": 0.5025, "schedule_scan_seconds": 0.2515,
+                    "slot_scans": 53.0}
   row = counters.result(output_tokens=40)
   assert row["device_schedule_us_per_iteration"] == pytest.approx(10.0)
   assert row["device_commit_us_per_iteration"] == pytest.approx(5.0)
+  # the schedule kernel's phases, per loop iteration, and how often it scanned the slots
+  assert row["device_schedule_scan_us_per_iteration"] == pytest.approx(3.0)
+  assert row["device_slot_scans_per_iteration"] == pytest.approx(0.1)
   # 150 W above a 100 W idle for 2 s: 300 J over 40 tokens and 20 steps.
   m = {"avg_power_w": 250.0, "duration_s": 2.0, "output_tokens": 40, **row}
   assert BS.energy_above_idle(m, 100.0) == {"energy_above_idle_per_token_j": 7.5,

@@ -812,6 +812,11 @@ def test_metrics(stack):
     assert (f"blink_gpu_{g}", ()) in m, g
   for kernel in ("schedule", "commit"):  # device time: CUDA only, 0 from the CPU scheduler
     assert m[(f"blink_gpu_{kernel}_seconds_total", ())] == 0.0, kernel
+  for phase in ("scan", "poll", "decode", "admit", "batch"):
+    assert m[("blink_gpu_schedule_phase_seconds_total", (("phase", phase),))] == 0.0, phase
+  # each request rang a doorbell: at least one pass scanned the slots, at most one a loop
+  # iteration
+  assert 1 <= get("blink_gpu_slot_scans_total") <= get("blink_gpu_loop_iterations_total")
 
 
 # ---- unit: request parsing ------------------------------------------------------------------

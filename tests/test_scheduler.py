@@ -69,7 +69,8 @@ def test_each_token_is_stamped_with_the_device_clock():
 
 def test_named_counters_read_from_the_state():
   """ffi.counters names the state's counters from the library's enum: loop iterations and
-  steps count on the host too; the kernel and phase timers are device-only (zero here)."""
+  steps and slot scans count on the host too; the kernel and phase timers are device-only
+  (zero here)."""
   from blink_jax.native import ffi as F
   region, cfg = _setup()
   seen = []
@@ -78,8 +79,10 @@ def test_named_counters_read_from_the_state():
   first, last = seen[0], seen[-1]
   assert set(first) == {"loop_iterations", "steps", "schedule_ns", "commit_ns",
                         "sched_poll_ns", "sched_decode_ns", "sched_admit_ns", "sched_batch_ns",
-                        "paced_steps", "paced_ns"}
+                        "paced_steps", "paced_ns", "sched_scan_ns", "slot_scans"}
   assert 0 < first["loop_iterations"] < last["loop_iterations"]
+  # one submit, one doorbell: the slots were scanned once, in the first pass
+  assert first["slot_scans"] == last["slot_scans"] == 1
   assert 0 < last["steps"] <= last["loop_iterations"]
   assert all(last[k] == 0 for k in last if k.endswith("_ns"))
 

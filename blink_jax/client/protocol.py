@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 MAGIC = 0x31424D4B4E494C42
-VERSION = 4
+VERSION = 5
 MAX_WORKERS = 64
 MAX_STOP_IDS = 16
 HEADER_BYTES = 1024
@@ -78,11 +78,13 @@ HEADER_DTYPE = np.dtype({
         "requests_finished", "requests_errored", "requests_cancelled", "preemptions",
         "pages_in_use", "pages_total", "running", "waiting", "last_step_tokens",
         "schedule_ns", "commit_ns", "prefix_cache_queries", "prefix_cache_hits",
+        "slot_scans", "sched_scan_ns", "sched_poll_ns", "sched_decode_ns", "sched_admit_ns",
+        "sched_batch_ns",
     ],
     "formats": ["<u8"] + ["<u4"] * 8 + ["<u8"] + ["<u4"] * 7 + [("<u8", (MAX_WORKERS,))]
-               + ["<u8"] * 18,
+               + ["<u8"] * 24,
     "offsets": [0, 8, 12, 16, 20, 24, 28, 32, 36, 40, 48, 52, 56, 60, 64, 68, 72, 128]
-               + [640 + 8 * i for i in range(18)],
+               + [640 + 8 * i for i in range(24)],
     "itemsize": HEADER_BYTES,
 })
 
