@@ -35,6 +35,9 @@ flags.DEFINE_string("out", "bench/results/sched_step.json", "JSON result file")
 flags.DEFINE_integer("interference", 0, "also measure with N memory-thrashing processes")
 flags.DEFINE_list("mailbox", ["host"], "where the mailbox lives: host (host-mapped shared "
                   "memory, the shm transport) and/or device (GPU memory, as an RDMA NIC writes it)")
+flags.DEFINE_list("doorbell_us", ["0"], "also ring the doorbell every N us (host mailbox; 0: "
+                  "only on resubmits): the next schedule then scans every slot's sequence word, "
+                  "as after a new request, so the scan's cost shows in schedule_scan_us")
 
 
 def _loop(cfg: F.SchedConfig):
@@ -68,9 +71,10 @@ REQUEST = M.Request(prompt=[5, 6, 7, 8], max_tokens=1 << 30, ignore_eos=True)
 
 
 def _drain(client: M.MailboxClient, region: M.LocalRegion, geo: P.Geometry,
-           stop: threading.Event):
+           stop: threading.Event, doorbell_us: int = 0):
   """A fast frontend: marks every output entry consumed (vectorised over all slots) and
-  resubmits requests that reached the end of their context, keeping every lane busy."""
+  resubmits requests that reached the end of their context, keeping every lane busy; rings
+  the doorbell every `doorbell_us` (0: never) with nothing new to find."""
   buf, base = region.buf, P.HEADER_BYTES
   field = lambda name, off: np.ndarray((geo.num_slots,), "<u4", buf, base + off,
                                        (geo.slot_bytes,))
@@ -78,16 +82,20 @@ def _drain(client: M.MailboxClient, region: M.LocalRegion, geo: P.Geometry,
   finished = field("finished", geo.request_bytes + P.OUTPUT_DTYPE.fields["finished_seq"][1])
   seqs = field("seq", 0)
   consumed = field("consumed", 8)
+  rung = time.perf_counter()
   while not stop.is_set():
     consumed[:] = counts
     for slot in np.flatnonzero((finished == seqs) & (seqs > 0)):
       client.release(int(slot))
       client.submit(REQUEST)
+    if doorbell_us and time.perf_counter() - rung >= doorbell_us * 1e-6:
+      client.ring_doorbell()
+      rung = time.perf_counter()
     time.sleep(50e-6)
 
 
 def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: int = 0,
-            mailbox: str = "host") -> dict:
+            mailbox: str = "host", doorbell_us: int = 0) -> dict:
   on_device = mailbox == "device"
   if on_device:
     # Nobody drains a GPU-memory mailbox here: rings and contexts hold the whole run.
@@ -132,7 +140,8 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: 
   header_region.write(shutdown_at, (0).to_bytes(4, "little"))
   stop = threading.Event()
   if not on_device:
-    threading.Thread(target=_drain, args=(client, engine_region, geo, stop), daemon=True).start()
+    threading.Thread(target=_drain, args=(client, engine_region, geo, stop, doorbell_us),
+                     daemon=True).start()
   result = {}
   done = threading.Event()
   out = {}
@@ -170,9 +179,11 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: 
     result.update(schedule_kernel_us=ctr["schedule_ns"] / iters / 1e3,
                   commit_kernel_us=ctr["commit_ns"] / iters / 1e3,
                   **{f"schedule_{p}_us": ctr[f"sched_{p}_ns"] / iters / 1e3
-                     for p in ("poll", "decode", "admit", "batch")})
+                     for p in ("scan", "poll", "decode", "admit", "batch")},
+                  slot_scans_per_iteration=ctr["slot_scans"] / iters)
   result.update(C.stats(per_iter, "us_per_step"))
   result.update(lanes=lanes, slots=slots, mailbox=mailbox, interference=interference,
+                doorbell_us=doorbell_us,
                 running=int(h1["running"]),
                 errored=int(h1["requests_errored"]), admitted=int(h1["requests_admitted"]),
                 finished=int(h1["requests_finished"]), cancelled=int(h1["requests_cancelled"]),
@@ -183,13 +194,15 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: 
 def main(argv):
   del argv
   xla_flags.configure_command_buffers()
-  rows = [measure(int(n), FLAGS.slots, FLAGS.seconds, FLAGS.repeats, lvl, mb)
+  rows = [measure(int(n), FLAGS.slots, FLAGS.seconds, FLAGS.repeats, lvl, mb, int(d))
           for mb in FLAGS.mailbox for n in FLAGS.lanes
+          for d in (FLAGS.doorbell_us if mb == "host" else ["0"])
           for lvl in ([0, FLAGS.interference] if FLAGS.interference else [0])]
-  print(C.table(rows, ["mailbox", "lanes", "slots", "interference", "running",
+  print(C.table(rows, ["mailbox", "lanes", "slots", "doorbell_us", "interference", "running",
                        "us_per_step_median", "schedule_kernel_us", "commit_kernel_us",
-                       "schedule_poll_us", "schedule_decode_us", "schedule_admit_us",
-                       "schedule_batch_us", "tokens_per_iteration", "device_while"]))
+                       "schedule_scan_us", "schedule_poll_us", "schedule_decode_us",
+                       "schedule_admit_us", "schedule_batch_us", "slot_scans_per_iteration",
+                       "tokens_per_iteration", "device_while"]))
   C.write_result(FLAGS.out, "sched_step", rows)
 
 
