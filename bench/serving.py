@@ -806,6 +806,14 @@ def doc_label(doc: dict) -> str:
 TABLE_COLS = ["label", "rate", "completed", "failed", "request_throughput", "output_throughput",
               "goodput", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
               "itl_ms_p50", "itl_ms_p99", "e2e_ms_p50", "e2e_ms_p99", "energy_per_token_j"]
+# blink's device loop per rate (printed when the server exports it): TPOT and the device's
+# part of TTFT on the device clock, and the scheduler kernels' time per loop iteration by phase
+DEVICE_TABLE_COLS = ["label", "rate", "device_tpot_mean_ms", "device_first_output_mean_ms",
+                     "device_tokens_per_step", "device_commit_us_per_iteration",
+                     "device_schedule_us_per_iteration",
+                     *(f"device_schedule_{p}_us_per_iteration"
+                       for p in ("scan", "poll", "decode", "admit", "batch")),
+                     "device_slot_scans_per_iteration"]
 
 
 def parse_rate(s: str) -> float:
@@ -945,6 +953,8 @@ def main(argv):
   out = FLAGS.out or f"bench/results/serving_{FLAGS.label}.json"
   path = C.write_result(out, "serving", rows, extra)
   print(C.table(rows, TABLE_COLS))
+  if any(r.get("device_loop_iterations") for r in rows):
+    print(C.table(rows, DEVICE_TABLE_COLS))
   if FLAGS.plot:
     try:
       plot_results([(doc_label(extra), rows)], FLAGS.plot_out or path.with_suffix(".png"),

@@ -328,6 +328,7 @@ def test_end_to_end_against_frontend_worker(server, tmp_path):
                      "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--out", str(out),
                      *interference)
   assert "request_throughput" in stdout  # the printed table
+  assert "device_schedule_scan_us_per_iteration" in stdout  # and the device loop's
   doc = json.loads(out.read_text())
   assert doc["benchmark"] == "serving" and doc["model"] == MODEL
   assert doc["max_context"] == dc.max_context and doc["label"] == "e2e"
@@ -343,6 +344,10 @@ def test_end_to_end_against_frontend_worker(server, tmp_path):
     # per output token), and a step carries at least one token.
     assert 0 < row["device_steps"] <= row["device_loop_iterations"], row
     assert 0 < row["device_steps_per_output_token"] <= 1 and row["device_tokens_per_step"] >= 1
+    # Every request rang a doorbell, so some passes scanned the slots; the scheduler's phase
+    # timers are the CUDA kernels' (zero from the host scheduler).
+    assert 0 < row["device_slot_scans_per_iteration"] <= 1, row
+    assert row["device_schedule_scan_us_per_iteration"] == 0.0, row
     # The frontend's own TTFT starts when the handler runs: inside the client's; its parts
     # (prepare, queue, slot to first output; one of each per request) fit inside it.
     assert 0 < row["frontend_ttft_mean_ms"] <= row["mean_ttft_ms"], row
