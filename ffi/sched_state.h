@@ -133,7 +133,7 @@ enum BlinkCounter {
   C_PACED_NS,         // time those waits took (clock of the executing side)
   C_PREFIX_QUERIES,   // prompt tokens of requests admitted with prefix caching on
   C_PREFIX_HITS,      // of those, tokens whose K/V came from cached pages
-  C_SCHED_SCAN_NS,    // schedule phase: the doorbells' round trip and, when one moved, the slot scan
+  C_SCHED_SCAN_NS,    // schedule phase: the doorbells' round trip, and the slot scan if one moved
   C_SLOT_SCANS,       // schedule passes that scanned the slots (a doorbell moved, or a rescan)
   C_NUM_COUNTERS = 22
 };
