@@ -27,17 +27,22 @@ from blink_jax.executor import xla_flags
 from bench import common as C
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("lanes", ["1", "64", "256"], "running requests (= max_seqs)")
-flags.DEFINE_integer("slots", 4096, "mailbox slots")
-flags.DEFINE_float("seconds", 2.0, "measurement window per configuration")
-flags.DEFINE_integer("repeats", 3, "windows per configuration (median and spread reported)")
-flags.DEFINE_string("out", "bench/results/sched_step.json", "JSON result file")
-flags.DEFINE_integer("interference", 0, "also measure with N memory-thrashing processes")
-flags.DEFINE_list("mailbox", ["host"], "where the mailbox lives: host (host-mapped shared "
-                  "memory, the shm transport) and/or device (GPU memory, as an RDMA NIC writes it)")
-flags.DEFINE_list("doorbell_us", ["0"], "also ring the doorbell every N us (host mailbox; 0: "
-                  "only on resubmits): the next schedule then scans every slot's sequence word, "
-                  "as after a new request, so the scan's cost shows in schedule_scan_us")
+
+
+def define_flags():
+  """Defined when run as a script only: tests import this module beside other absl scripts."""
+  flags.DEFINE_list("lanes", ["1", "64", "256"], "running requests (= max_seqs)")
+  flags.DEFINE_integer("slots", 4096, "mailbox slots")
+  flags.DEFINE_float("seconds", 2.0, "measurement window per configuration")
+  flags.DEFINE_integer("repeats", 3, "windows per configuration (median and spread reported)")
+  flags.DEFINE_string("out", "bench/results/sched_step.json", "JSON result file")
+  flags.DEFINE_integer("interference", 0, "also measure with N memory-thrashing processes")
+  flags.DEFINE_list("mailbox", ["host"], "where the mailbox lives: host (host-mapped shared "
+                    "memory, the shm transport) and/or device (GPU memory, as an RDMA NIC "
+                    "writes it)")
+  flags.DEFINE_list("doorbell_us", ["0"], "also ring the doorbell every N us (host mailbox; 0: "
+                    "only on resubmits): the next schedule then scans every slot's sequence word, "
+                    "as after a new request, so the scan's cost shows in schedule_scan_us")
 
 
 def _loop(cfg: F.SchedConfig):
@@ -207,4 +212,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

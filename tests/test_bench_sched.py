@@ -1,15 +1,6 @@
 """bench/sched.py on the CPU scheduler: its loop runs, keeps every lane decoding, and its
 doorbell rings (`--doorbell_us`) make the schedule scan the slots with nothing new to find."""
-import pytest
-
 from bench import sched as bench_sched
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _flags():
-  from absl import flags
-  if not flags.FLAGS.is_parsed():
-    flags.FLAGS.mark_as_parsed()
 
 
 def test_doorbell_rings_make_scans_and_nothing_else():
