@@ -144,7 +144,7 @@ struct BlinkMailboxHeader {
   uint64_t prefix_cache_hits;     // of those, tokens whose K/V came from cached pages
   // schedule passes that scanned the slots for new requests (a doorbell moved, or a rescan)
   uint64_t slot_scans;
-  // schedule_ns by phase (CUDA only; docs/ARCHITECTURE.md, "Counters and timestamps"): the
+  // schedule_ns by phase (CUDA only; docs/ARCHITECTURE.md, "The mailbox contract"): the
   // doorbells' round trip and slot scan, lane checks and releases, decode rows, prefill and
   // admission (prompt copies), the batch's arrays and idle polling
   uint64_t sched_scan_ns;

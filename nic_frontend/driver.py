@@ -468,12 +468,16 @@ class MailboxDriver:
     delivered = []
     finished = False
     ring = client.geo.ring_capacity
-    for slot, out in client.poll_many(list(self._active)):
+    polled = client.poll_many(list(self._active))
+    # When the reads returned, not when the sweep began: over TCP a slot's first output can
+    # be written during the sweep's round trips, after `now`.
+    seen = time.monotonic()
+    for slot, out in polled:
       flight = self._active[slot]
       if out.tokens and self.metrics is not None:
         self.metrics.output_fill.observe(len(out.tokens) / ring)
         if flight.placed is not None:
-          self.metrics.slot_to_first_output.observe(now - flight.placed)
+          self.metrics.slot_to_first_output.observe(seen - flight.placed)
           flight.placed = None
           if out.first_ns >= out.taken_ns > 0:  # the same request's stamps, device clock
             self.metrics.device_first_output.observe((out.first_ns - out.taken_ns) / 1e9)

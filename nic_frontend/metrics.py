@@ -40,7 +40,7 @@ GPU_GAUGES = ("pages_in_use", "pages_total", "running", "waiting", "last_step_to
 # that reads and writes the mailbox in host memory.
 GPU_SECONDS = {"schedule_ns": "schedule_seconds", "commit_ns": "commit_seconds"}
 # The schedule kernel's time by phase (header sched_<phase>_ns), one family labelled by phase:
-# which part grows when a step slows down (docs/ARCHITECTURE.md, "Counters and timestamps").
+# which part grows when a step slows down (docs/ARCHITECTURE.md, "The mailbox contract").
 SCHEDULE_PHASES = ("scan", "poll", "decode", "admit", "batch")
 
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
