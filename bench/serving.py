@@ -624,7 +624,8 @@ class DeviceCounters:
     step_tokens = d["step_tokens"] if "step_tokens" in d else (
         d.get("tokens_generated", 0) + d.get("prompt_tokens", 0))
     iterations = d.get("loop_iterations")
-    phases = sorted(k[9:-8] for k in d if k.startswith("schedule_") and k.endswith("_seconds")
+    phases = sorted(k.removeprefix("schedule_").removesuffix("_seconds") for k in d
+                    if k.startswith("schedule_") and k.endswith("_seconds")
                     and k != "schedule_seconds")
     kernel_us = {f"device_{k}_us_per_iteration": 1e6 * d[f"{k}_seconds"] / iterations
                  if iterations and f"{k}_seconds" in d else None

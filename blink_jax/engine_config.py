@@ -77,9 +77,11 @@ class KernelOptions:
                      "auto (qkv+out+down on a GPU, none elsewhere), none, or names from "
                      f"{'+'.join(GEMV_PROJECTIONS)} joined by '+'.")
   decode_rows: int = _field(64, "Largest step (tokens) whose attention is decode-sized.")
-  decode_head: int | None = _field(None, "Rows at the head of a larger step whose attention "
-                                   "the decode kernel runs, the rest the prefill kernel (both "
-                                   "Pallas): a step puts its decode rows first, and a prefill "
+  decode_head: int | None = _field(None, "Most rows at the head of a larger step whose "
+                                   "attention the decode kernel runs: the step's leading "
+                                   "decode rows, counted at run time; the rest the prefill "
+                                   "kernel (both Pallas). A step puts its decode rows first, "
+                                   "and a prefill "
                                    "block walks the sequences of its tokens one after another, "
                                    "so a block of 16 decode rows costs 16 whole contexts there. "
                                    "Default: max_seqs, a row for every sequence that can "
