@@ -184,7 +184,7 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: 
     result.update(schedule_kernel_us=ctr["schedule_ns"] / iters / 1e3,
                   commit_kernel_us=ctr["commit_ns"] / iters / 1e3,
                   **{f"schedule_{p}_us": ctr[f"sched_{p}_ns"] / iters / 1e3
-                     for p in ("scan", "poll", "decode", "admit", "batch")},
+                     for p in P.SCHEDULE_PHASES},
                   slot_scans_per_iteration=ctr["slot_scans"] / iters)
   result.update(C.stats(per_iter, "us_per_step"))
   result.update(lanes=lanes, slots=slots, mailbox=mailbox, interference=interference,

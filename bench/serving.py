@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 
 from bench import common as C  # noqa: E402
+from blink_jax.client.protocol import SCHEDULE_PHASES  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -624,12 +625,9 @@ class DeviceCounters:
     step_tokens = d["step_tokens"] if "step_tokens" in d else (
         d.get("tokens_generated", 0) + d.get("prompt_tokens", 0))
     iterations = d.get("loop_iterations")
-    phases = sorted(k.removeprefix("schedule_").removesuffix("_seconds") for k in d
-                    if k.startswith("schedule_") and k.endswith("_seconds")
-                    and k != "schedule_seconds")
     kernel_us = {f"device_{k}_us_per_iteration": 1e6 * d[f"{k}_seconds"] / iterations
                  if iterations and f"{k}_seconds" in d else None
-                 for k in ("schedule", "commit", *(f"schedule_{p}" for p in phases))}
+                 for k in ("schedule", "commit", *(f"schedule_{p}" for p in SCHEDULE_PHASES))}
     return {**mean_ms, **kernel_us, "device_steps": steps, "device_loop_iterations": iterations,
             "device_steps_per_output_token": steps / output_tokens if output_tokens else None,
             "device_tokens_per_step": step_tokens / steps if steps else None,
@@ -812,8 +810,7 @@ TABLE_COLS = ["label", "rate", "completed", "failed", "request_throughput", "out
 DEVICE_TABLE_COLS = ["label", "rate", "device_tpot_mean_ms", "device_first_output_mean_ms",
                      "device_tokens_per_step", "device_commit_us_per_iteration",
                      "device_schedule_us_per_iteration",
-                     *(f"device_schedule_{p}_us_per_iteration"
-                       for p in ("scan", "poll", "decode", "admit", "batch")),
+                     *(f"device_schedule_{p}_us_per_iteration" for p in SCHEDULE_PHASES),
                      "device_slot_scans_per_iteration"]
 
 

@@ -26,6 +26,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from blink_jax import env
+from blink_jax.client import protocol
 
 GPU_COUNTERS = ("loop_iterations", "steps", "tokens_generated", "prompt_tokens",
                 "requests_admitted", "requests_finished", "requests_errored",
@@ -39,9 +40,9 @@ GPU_GAUGES = ("pages_in_use", "pages_total", "running", "waiting", "last_step_to
 # exported in seconds: per loop iteration, what a step costs outside the model, the part
 # that reads and writes the mailbox in host memory.
 GPU_SECONDS = {"schedule_ns": "schedule_seconds", "commit_ns": "commit_seconds"}
-# The schedule kernel's time by phase (header sched_<phase>_ns), one family labelled by phase:
-# which part grows when a step slows down (docs/ARCHITECTURE.md, "The mailbox contract").
-SCHEDULE_PHASES = ("scan", "poll", "decode", "admit", "batch")
+# The schedule kernel's time by phase (header sched_<phase>_ns, protocol.SCHEDULE_PHASES), one
+# family labelled by phase: which part grows when a step slows down (docs/ARCHITECTURE.md,
+# "The mailbox contract").
 
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -86,7 +87,7 @@ class HeaderCollector:
         "phase (CUDA only): scan (doorbells, slot scan), poll (lane checks, releases), decode, "
         "admit (prefill chunks, admissions, prompt copies), batch (arrays, idle polling)",
         labels=["phase"])
-    for phase in SCHEDULE_PHASES:
+    for phase in protocol.SCHEDULE_PHASES:
       phases.add_metric([phase], h[f"sched_{phase}_ns"] / 1e9)
     yield phases
     for name in GPU_GAUGES:

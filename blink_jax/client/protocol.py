@@ -68,6 +68,11 @@ ERROR_MESSAGES = {
     Error.PROMPT_OFFSET: "the prompt lies outside the mailbox's prompt arena",
 }
 
+# The schedule kernel's phases, each timed in the header as sched_<phase>_ns (ffi/sched_state.h,
+# BlinkCounter): doorbells and slot scan, lane checks and releases, decode rows, prefill and
+# admission, the batch's arrays and idle polling.
+SCHEDULE_PHASES = ("scan", "poll", "decode", "admit", "batch")
+
 HEADER_DTYPE = np.dtype({
     "names": [
         "magic", "version", "header_bytes", "num_slots", "max_prompt", "ring_capacity",
@@ -78,8 +83,7 @@ HEADER_DTYPE = np.dtype({
         "requests_finished", "requests_errored", "requests_cancelled", "preemptions",
         "pages_in_use", "pages_total", "running", "waiting", "last_step_tokens",
         "schedule_ns", "commit_ns", "prefix_cache_queries", "prefix_cache_hits",
-        "slot_scans", "sched_scan_ns", "sched_poll_ns", "sched_decode_ns", "sched_admit_ns",
-        "sched_batch_ns",
+        "slot_scans", *(f"sched_{phase}_ns" for phase in SCHEDULE_PHASES),
     ],
     "formats": ["<u8"] + ["<u4"] * 8 + ["<u8"] + ["<u4"] * 7 + [("<u8", (MAX_WORKERS,))]
                + ["<u8"] * 24,
