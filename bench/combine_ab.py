@@ -42,12 +42,13 @@ RUN = re.compile(r"(?P<side>.+)_(?P<n>\d+)$")
 # Per benchmark: the fields that identify a row, and the metrics the table shows.
 KEYS = {
     "executor_latency": ("mode", "batch", "interference"),
-    "sched_step": ("mailbox", "lanes", "interference"),
+    "sched_step": ("mailbox", "lanes", "doorbell_us", "interference"),
     "step": ("kind", "batch", "tokens", "context"),
     "loop_overhead": ("variant", "interference"),
     "hf_reference": ("impl", "compile", "batch"),
     "serving": ("label", "rate"),
     "kernel_profile": ("kind",),
+    "sampling": ("rows", "mode", "search_ways"),
 }
 HEADLINE = {
     "executor_latency": ("tpot_ms_p50", "tpot_ms_p99", "device_tpot_ms_p50",
@@ -58,6 +59,7 @@ HEADLINE = {
     "hf_reference": ("ms_per_token_median",),
     "serving": ("ttft_ms_p50", "tpot_ms_p50", "tpot_ms_p99", "output_throughput"),
     "kernel_profile": ("us_per_iteration",),
+    "sampling": ("us_per_sample_call_median",),
 }
 
 

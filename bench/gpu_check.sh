@@ -58,6 +58,7 @@ executor_quiet_legacy | executor_latency_quiet | python3 scripts/bench_executor.
 executor_host   | executor_latency_host  | python3 -m bench.executor --config gemma3-1b --prompt 1024 --tokens 128 --batches 1,64 --modes host --interference 0 --out "$out" $ARGS
 sched           | sched_step             | python3 -m bench.sched --lanes 1,64,256 --slots 4096 --seconds 0.5 --repeats 3 --interference 32 --mailbox host,device --out "$out" $ARGS
 sched_scan      | sched_scan             | python3 -m bench.sched --lanes 64,256 --slots 4096 --seconds 0.5 --repeats 3 --interference 32 --mailbox host --doorbell_us 0,200 --out "$out" $ARGS
+sampling        | sampling               | python3 -m bench.sampling --rows 1,64,256 --search_ways ${WAYS:-1,3,15} --out "$out" $ARGS
 sched_host      | sched_step_host        | python3 -m bench.sched --lanes 1,64,256 --slots 4096 --seconds 0.5 --repeats 3 --mailbox host --out "$out" $ARGS
 sched_host_legacy | sched_step_host      | python3 scripts/bench_sched.py --lanes 1,64,256 --slots 4096 --seconds 0.5 --repeats 3 --mailbox host --out "$out" $ARGS
 step            | step                   | python3 -m bench.step --config gemma3-1b --out "$out" $ARGS
@@ -92,6 +93,8 @@ export GPU_TEST_FILES=$(echo $GPU_TEST_FILES)
 # SERVE_ARGS="--tensor_parallel N";
 # sched_scan = what a scan of the 4,096 slots costs the schedule kernel (a doorbell rung every
 # 200 us with nothing new: schedule_scan_us against doorbell_us 0), quiet and under thrashers;
+# sampling = the sampler per step by mode (greedy, temperature, top-p, top-k) and rows, each
+# search at WAYS thresholds per pass (default 1,3,15);
 # executor_host with BLINK_HOST_MIN_GRAPH_SIZE=1 is finding 19; model_loop with
 # ARGS=--xla_extra=... compares XLA flags (findings 20, 38).
 # The vLLM peer (issue 27), in one lease (the machine goes back 30 s after a call: each call

@@ -77,6 +77,10 @@ def define_flags() -> None:
                        "(default: max_model_len from GET /models, else 4096)")
   flags.DEFINE_integer("max_input_len", None, "also clip prompts to this many tokens")
   flags.DEFINE_integer("max_concurrency", None, "at most this many requests in flight")
+  flags.DEFINE_float("temperature", 0.0, "every request's temperature (0: greedy)")
+  flags.DEFINE_float("top_p", None, "every request's top_p (default: not sent)")
+  flags.DEFINE_integer("top_k", None, "every request's top_k (default: not sent; vLLM and "
+                       "blink-jax take it as an extension of the completions API)")
   flags.DEFINE_float("slo_ttft_ms", None, "goodput SLO on TTFT")
   flags.DEFINE_float("slo_tpot_ms", None, "goodput SLO on TPOT")
   flags.DEFINE_integer("interference", 0, "N memory-thrashing processes for the whole run")
@@ -641,9 +645,9 @@ class DeviceCounters:
 # ---- client ----------------------------------------------------------------------------------
 
 async def send_one(session, url: str, headers: dict, model: str, req: Req, rec: Record,
-                   t0: float):
+                   t0: float, sampling: dict | None = None):
   body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True,
-          "ignore_eos": True, "temperature": 0.0,
+          "ignore_eos": True, "temperature": 0.0, **(sampling or {}),
           "stream_options": {"include_usage": True}}
   start = time.perf_counter()
   rec.start = start - t0
@@ -682,7 +686,8 @@ async def send_one(session, url: str, headers: dict, model: str, req: Req, rec: 
 
 async def run_rate(base_url: str, headers: dict, model: str, reqs: list[Req], rate: float,
                    seed: int, max_concurrency: int | None, timeout_s: float,
-                   progress: bool = True) -> tuple[list[Record], float]:
+                   progress: bool = True, sampling: dict | None = None
+                   ) -> tuple[list[Record], float]:
   import aiohttp
   from tqdm import tqdm
 
@@ -706,10 +711,10 @@ async def run_rate(base_url: str, headers: dict, model: str, reqs: list[Req], ra
         if delay > 0:
           await asyncio.sleep(delay)
       if sem is None:
-        await send_one(session, url, headers, model, reqs[i], recs[i], t0)
+        await send_one(session, url, headers, model, reqs[i], recs[i], t0, sampling)
       else:
         async with sem:
-          await send_one(session, url, headers, model, reqs[i], recs[i], t0)
+          await send_one(session, url, headers, model, reqs[i], recs[i], t0, sampling)
       done[i].set()
       bar.update(1)
 
@@ -904,6 +909,9 @@ def main(argv):
       if FLAGS.interference else []
   rows, per_request = [], {}
   idle = {}
+  sampling = {"temperature": FLAGS.temperature,
+              **({"top_p": FLAGS.top_p} if FLAGS.top_p is not None else {}),
+              **({"top_k": FLAGS.top_k} if FLAGS.top_k is not None else {})}
   try:
     if procs:
       time.sleep(1.0)  # let the thrashers fill their buffers
@@ -915,7 +923,7 @@ def main(argv):
       with sampler, cpu, counters:
         recs, duration = asyncio.run(run_rate(
             FLAGS.base_url, headers, model, sets[k], rate, FLAGS.seed + 1000 * (k + 1),
-            FLAGS.max_concurrency, FLAGS.request_timeout_s))
+            FLAGS.max_concurrency, FLAGS.request_timeout_s, sampling=sampling))
       m = compute_metrics(recs, duration, FLAGS.slo_ttft_ms, FLAGS.slo_tpot_ms)
       m.update(sampler.result(m["output_tokens"]))
       m.update(cpu.result(m["output_tokens"]))
@@ -939,7 +947,7 @@ def main(argv):
            "prompt_salt": FLAGS.prompt_salt,
            "num_prompts": FLAGS.num_prompts, "shared_prefix_len": FLAGS.shared_prefix_len,
            "multi_turn": FLAGS.multi_turn, "fresh_prompts": FLAGS.fresh_prompts,
-           "max_concurrency": FLAGS.max_concurrency,
+           "max_concurrency": FLAGS.max_concurrency, "sampling": sampling,
            "interference": FLAGS.interference,
            "frontend_cpus": frontend_cpus or None, "client_cpus": client_cpus or None,
            "interference_cpus": (interference_cpus if frontend_cpus else "all")

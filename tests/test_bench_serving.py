@@ -460,3 +460,27 @@ def test_goodput_recomputed_from_saved_requests():
     got = BS.regoodput(saved, *slo)["results"][0]
     assert (got["good_requests"], got["goodput"]) == (want["good_requests"], want["goodput"])
     assert (got["slo_ttft_ms"], got["slo_tpot_ms"]) == slo
+
+
+def test_sampling_flags_reach_every_request(tmp_path, tokenizer_path):
+  """--temperature / --top_p / --top_k are sent with every request (as `vllm bench serve`'s
+  flags are) and recorded in the result."""
+  with FD.running_device(tokenizer_path) as fake:
+    proc, port, log = _start_worker(tmp_path, tokenizer_path,
+                                    ["--transport", "shm", "--shm-name", fake.region.name],
+                                    {"BLINK_API_KEY": API_KEY})
+    try:
+      out = tmp_path / "sampled.json"
+      _run_tool("--base-url", f"http://127.0.0.1:{port}/v1", "--api-key", API_KEY,
+                "--num-prompts", "4", "--rates", "inf", "--vocab-size",
+                str(fake.device.dc.vocab_size), "--input-len", "8", "--max-tokens", "3",
+                "--temperature", "0.7", "--top-p", "0.9", "--top-k", "40", "--no-plot",
+                "--out", str(out))
+    finally:
+      FD.terminate(proc)
+    got = fake.device.find_requests(top_k=40)
+    assert len(got) == 4 and len(fake.device.requests) == 4
+    assert all(abs(r["temperature"] - 0.7) < 1e-6 and abs(r["top_p"] - 0.9) < 1e-6
+               for r in got)
+  assert json.loads(out.read_text())["sampling"] == {"temperature": 0.7, "top_p": 0.9,
+                                                     "top_k": 40}

@@ -5,8 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
-from blink_jax.model.sampling import _filtered, top_n, sample
+from blink_jax.model.sampling import _draw, _filtered, top_n, sample
 
 
 def _reference_keep(x, k, p):
@@ -71,3 +72,77 @@ def test_greedy_and_logprobs():
   np.testing.assert_array_equal(tok, jnp.argmax(logits, -1))
   np.testing.assert_allclose(lp, ref[jnp.arange(2), tok], atol=1e-6)
   np.testing.assert_array_equal(ids[0], np.argsort(-np.asarray(ref[0]))[:3])
+
+
+def _threshold_keep(x, k, p):
+  """The sorting reference with ties: every token as likely as the last one kept is kept
+  (None where the mass reaches p within rounding of a tie's edge: either answer is right)."""
+  s = np.sort(x.astype(np.float64))[::-1]
+  t = s[min(k, len(s)) - 1] if k > 0 else -np.inf
+  if p < 1.0:
+    c = np.cumsum(np.exp(s - s[0]) / np.exp(s - s[0]).sum())
+    if np.min(np.abs(c - p)) < 1e-4:
+      return None
+    t = max(t, s[np.argmax(c >= p)])
+  return x >= t
+
+
+_filtered_jit = jax.jit(_filtered, static_argnums=4)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([2, 37, 600]), st.sampled_from([1, 3, 15]))
+def test_filter_matches_sorting_reference_any_shape(seed, vocab, ways):
+  """Vocabulary sizes, ties (logits on a coarse grid), every way count."""
+  rng = np.random.default_rng(seed)
+  x = (np.round(rng.normal(size=(4, vocab)) * 4) / 2).astype(np.float32)
+  k = rng.integers(0, vocab + 2, size=4).astype(np.int32)
+  p = rng.choice([1.0, 0.95, 0.5, 0.1], size=4).astype(np.float32)
+  out = np.asarray(_filtered_jit(jnp.asarray(x), jnp.ones(4), jnp.asarray(k), jnp.asarray(p),
+                                 ways))
+  for r in range(4):
+    ref = _threshold_keep(x[r], k[r], p[r])
+    if ref is not None:
+      np.testing.assert_array_equal(np.isfinite(out[r]), ref, err_msg=f"row {r}")
+
+
+def _chi_square_p(counts, probs):
+  from scipy import stats
+  probs = np.asarray(probs, np.float64) / np.sum(probs, dtype=np.float64)
+  expected = probs * counts.sum()
+  keep = expected > 0
+  assert counts[~keep].sum() == 0, "a token of zero probability was drawn"
+  return stats.chisquare(counts[keep], expected[keep]).pvalue
+
+
+@pytest.mark.parametrize("vocab", [7, 512, 1300])
+def test_draw_follows_the_softmax(vocab):
+  """The inverse-CDF draw against its distribution: a chi-square test over 40,000 draws per
+  row, one row with a -inf (filtered) tail and a vocabulary that is not a block multiple."""
+  rng = np.random.default_rng(vocab)
+  x = rng.normal(size=(2, vocab)).astype(np.float32)
+  x[1, vocab // 2:] = -np.inf
+  n = 40_000
+  keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(5), i))(jnp.arange(n))
+  draw = jax.jit(jax.vmap(lambda k, row: _draw(k[None], row[None])[0], in_axes=(0, None)))
+  for r in range(2):
+    tokens = np.asarray(draw(keys, jnp.asarray(x[r])))
+    counts = np.bincount(tokens, minlength=vocab)
+    probs = np.exp(x[r] - x[r].max())
+    probs /= probs.sum()
+    assert _chi_square_p(counts, probs) > 1e-4
+
+
+def test_sample_with_top_p_follows_the_filtered_softmax():
+  """sample() end to end (temperature, top-p) against the sorting reference's nucleus."""
+  vocab, n = 300, 30_000
+  x = np.random.default_rng(3).normal(size=vocab).astype(np.float32) * 2
+  keep = _reference_keep(x / 0.7, 0, 0.8)
+  probs = np.where(keep, np.exp((x - x.max()) / 0.7), 0.0)
+  probs /= probs.sum()
+  z = (jnp.zeros(n), jnp.zeros((n, 0), jnp.int32), jnp.zeros((n, 0)))
+  tokens = jax.jit(lambda lg: sample(
+      lg, jnp.full(n, 0.7), jnp.full(n, 0.8), jnp.zeros(n, jnp.int32), jnp.arange(n),
+      jnp.zeros(n, jnp.int32), jnp.zeros(n, jnp.int32), -jnp.ones(n, jnp.int32), z,
+      max_top=0)[0])(jnp.broadcast_to(jnp.asarray(x), (n, vocab)))
+  assert _chi_square_p(np.bincount(np.asarray(tokens), minlength=vocab), probs) > 1e-4

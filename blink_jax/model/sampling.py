@@ -6,6 +6,8 @@ after a preemption and recompute).
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -17,40 +19,61 @@ def _row_key(seed_lo, seed_hi, position):
   return jax.random.fold_in(key, position.astype(jnp.uint32))
 
 
-def _bisect(lo, hi, keep_upper, steps: int = 32):
-  """Largest t in [lo, hi] with keep_upper(t) true, per row (keep_upper is monotone).
+def _search(lo, hi, ok_at, ways: int):
+  """Largest t in [lo, hi] with ok(t) true, per row (ok is monotone: true up to a bound).
 
   Sorting the vocabulary would be the obvious way, but XLA runs large sorts as a CUB custom
-  call that cannot live in a CUDA-graph loop; 32 fused reductions can.
+  call that cannot live in a CUDA-graph loop. Each pass tests `ways` thresholds spread over
+  the interval (`ok_at(ts)`: ts [rows, ways] -> bool [rows, ways], one fused reduction over
+  the [rows, vocab] logits) and narrows it (ways + 1)-fold, as finely in all as 32 halvings:
+  1 way is 32 passes of one comparison per logit, 15 ways 8 passes of 15. A CPU is bound by
+  the comparisons, a GPU by the passes (docs/ARCHITECTURE.md, "Sampling").
   """
-  for _ in range(steps):
-    mid = (lo + hi) * 0.5
-    ok = keep_upper(mid)
-    lo, hi = jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+  passes = math.ceil(32 / math.log2(ways + 1))
+  frac = jnp.arange(1, ways + 1, dtype=jnp.float32) / (ways + 1)
+  for _ in range(passes):
+    ts = lo[:, None] + (hi - lo)[:, None] * frac  # non-decreasing along each row
+    n = jnp.sum(ok_at(ts), axis=-1)  # ok holds for the first n thresholds
+    below = jnp.take_along_axis(ts, jnp.maximum(n - 1, 0)[:, None], axis=-1)[:, 0]
+    above = jnp.take_along_axis(ts, jnp.minimum(n, ways - 1)[:, None], axis=-1)[:, 0]
+    lo, hi = jnp.where(n > 0, below, lo), jnp.where(n < ways, above, hi)
   return lo
 
 
-def _filtered(logits, temperature, top_k, top_p):
-  """Logits scaled by temperature with everything outside top-k / top-p set to -inf."""
+def _filtered(logits, temperature, top_k, top_p, ways: int = 1):
+  """Logits scaled by temperature with everything outside top-k / top-p set to -inf.
+
+  Top-k keeps the k largest (ties at the k-th all kept); top-p the most probable tokens
+  whose mass under the whole distribution first reaches p (the top one always); a row that
+  asks for both keeps what both keep. Each search runs only when some row asks for it.
+  """
   x = logits / jnp.maximum(temperature, 1e-6)[:, None]
   vocab = x.shape[-1]
   hi = jnp.max(x, axis=-1)
   lo = jnp.min(x, axis=-1)
-  k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab).astype(jnp.float32)
-  # Top-k: the k-th largest value is the largest t with count(x >= t) >= k.
-  kth = _bisect(lo, hi, lambda t: jnp.sum(x >= t[:, None], axis=-1) >= k)
-  # Top-p: keep the most probable tokens whose mass first reaches p (the top one always).
-  probs = jax.nn.softmax(x, axis=-1)
-  pmax = jnp.max(probs, axis=-1)
-  pth = _bisect(jnp.zeros_like(pmax), pmax,
-                lambda t: jnp.sum(jnp.where(probs >= t[:, None], probs, 0.0), axis=-1) >= top_p)
-  pth = jnp.where(top_p >= 1.0, 0.0, jnp.minimum(pth, pmax))  # p = 1: no rounding losses
-  keep = (x >= kth[:, None]) & (probs >= pth[:, None])
-  return jnp.where(keep, x, -jnp.inf)
+  none = jnp.full_like(hi, -jnp.inf)
+
+  def kth():  # the k-th largest value: the largest t with count(x >= t) >= k
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab).astype(jnp.float32)
+    t = _search(lo, hi, lambda ts: jnp.sum(
+        (x[:, None, :] >= ts[:, :, None]).astype(jnp.float32), axis=-1) >= k[:, None], ways)
+    return jnp.where(top_k > 0, t, -jnp.inf)
+
+  def pth():  # the largest t with mass(x >= t) >= p, in units of x (mass relative to the top)
+    e = jnp.exp(x - hi[:, None])
+    need = jnp.sum(e, axis=-1) * top_p
+    t = _search(lo, hi, lambda ts: jnp.sum(
+        jnp.where(x[:, None, :] >= ts[:, :, None], e[:, None, :], 0.0), axis=-1)
+        >= need[:, None], ways)
+    return jnp.where(top_p < 1.0, t, -jnp.inf)  # p = 1: no rounding losses
+
+  t = jnp.maximum(lax.cond(jnp.any(top_k > 0), kth, lambda: none),
+                  lax.cond(jnp.any(top_p < 1.0), pth, lambda: none))
+  return jnp.where(x >= jnp.minimum(t, hi)[:, None], x, -jnp.inf)
 
 
 def top_n(lp, n: int):
-  """Top-n values and ids per row by n masked argmax passes (no sort, see _bisect)."""
+  """Top-n values and ids per row by n masked argmax passes (no sort, see _search)."""
   ids, vals = [], []
   cols = jnp.arange(lp.shape[-1])
   for _ in range(n):
@@ -61,8 +84,35 @@ def top_n(lp, n: int):
   return jnp.stack(vals, axis=1), jnp.stack(ids, axis=1)
 
 
+# Tokens per block of the two-level draw (see _draw).
+_BLOCK = 512
+
+
+def _draw(keys, x):
+  """One token per row of scaled, filtered logits x [R, V] (-inf: never), drawn with
+  probability softmax(x) in two levels: a block of _BLOCK tokens with probability its share
+  of the row's mass, then a token of that block with probability its share of the block's
+  (the product is the token's share of the row's). Each level is a Gumbel-max draw
+  (jax.random.categorical) over _BLOCK values; drawing over the whole row at once needs a
+  random number and two logarithms for every logit, here the whole row costs one exp per
+  logit (the blocks' masses). No prefix sums: XLA may make a cumulative sum a CUB scan,
+  which a CUDA-graph loop cannot hold (docs/ARCHITECTURE.md, "Sampling")."""
+  rows, vocab = x.shape
+  nb = -(-vocab // _BLOCK)
+  if nb * _BLOCK != vocab:
+    x = jnp.pad(x, ((0, 0), (0, nb * _BLOCK - vocab)), constant_values=-jnp.inf)
+  blocks = x.reshape(rows, nb, _BLOCK)
+  top = jnp.max(x, axis=-1)
+  mass = jnp.sum(jnp.exp(blocks - top[:, None, None]), axis=-1)  # [R, nb]; the top's block >= 1
+  pick_block, pick_token = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
+  categorical = jax.vmap(jax.random.categorical)
+  b = categorical(pick_block, jnp.log(mass))  # a block of no mass has log 0 = -inf: never
+  i = categorical(pick_token, jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0])
+  return (b * _BLOCK + i).astype(jnp.int32)
+
+
 def sample(logits, temperature, top_p, top_k, seed_lo, seed_hi, position, num_logprobs,
-           zeros, *, max_top: int):
+           zeros, *, max_top: int, search_ways: int = 1):
   """Samples one token per row of float32 `logits` [R, V].
 
   Returns tokens [R] int32, the logprob of each sampled token [R], and the top `max_top`
@@ -70,16 +120,16 @@ def sample(logits, temperature, top_p, top_k, seed_lo, seed_hi, position, num_lo
   distribution (before temperature and filtering), as OpenAI and vLLM report them.
   `zeros` = (f32 [R], i32 [R, max_top], f32 [R, max_top]) are returned when no row asks for
   logprobs: passed in rather than made here, since a zero-fill is a memset, which XLA cannot
-  put into a CUDA graph.
+  put into a CUDA graph. `search_ways`: thresholds per pass of the top-k / top-p searches
+  (see _search).
   """
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
   def stochastic():
     filt = lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)),
-                    lambda: _filtered(logits, temperature, top_k, top_p),
+                    lambda: _filtered(logits, temperature, top_k, top_p, search_ways),
                     lambda: logits / jnp.maximum(temperature, 1e-6)[:, None])
-    keys = jax.vmap(_row_key)(seed_lo, seed_hi, position)
-    drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, filt).astype(jnp.int32)
+    drawn = _draw(jax.vmap(_row_key)(seed_lo, seed_hi, position), filt)
     return jnp.where(temperature > 0, drawn, greedy)
 
   tokens = lax.cond(jnp.any(temperature > 0), stochastic, lambda: greedy)
