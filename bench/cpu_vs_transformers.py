@@ -1,5 +1,6 @@
 """blink-jax against Hugging Face transformers on the same CPU, in one run: the bundled Gemma 3
-270M (both read the same GGUF), greedy, per dtype.
+270M (both read the same GGUF), greedy (or sampled: --temperature, --top_p, --top_k, the same
+parameters for both), per dtype.
 
 For each implementation and dtype, after one warm-up generation:
 - TTFT: a `--prompt_tokens` prompt generating one token (transformers: `generate` with
@@ -42,7 +43,24 @@ def define_flags():
   flags.DEFINE_integer("batch", 8, "prompts of the throughput run")
   flags.DEFINE_integer("repeats", 3, "timed repeats of each measurement")
   flags.DEFINE_list("kv_pages", ["default", "256"], "blink-jax KV cache sizes for per-token")
+  flags.DEFINE_float("temperature", 0.0, "sampling temperature of every request (0: greedy)")
+  flags.DEFINE_float("top_p", 1.0, "top-p of every request (with --temperature)")
+  flags.DEFINE_integer("top_k", 0, "top-k of every request (with --temperature; 0: none)")
   flags.DEFINE_string("out", "bench/results/cpu_vs_transformers.json", "JSON result file")
+
+
+def hf_sampling() -> dict:
+  """transformers' generate arguments for the flags (its top_k is 50 unless given)."""
+  if FLAGS.temperature <= 0:
+    return {}
+  return {"do_sample": True, "temperature": FLAGS.temperature, "top_p": FLAGS.top_p,
+          "top_k": FLAGS.top_k}
+
+
+def blink_sampling(max_tokens: int):
+  from blink_jax.engine import SamplingParams
+  return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=FLAGS.temperature,
+                        top_p=FLAGS.top_p, top_k=FLAGS.top_k, seed=0)
 
 
 def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
@@ -60,7 +78,7 @@ def run_transformers(gguf, dtype: str, ps: list[list[int]]) -> dict:
 
   def gen(batch, n):
     ids = torch.tensor(batch)
-    return timed_generate(model, ids, n, attention_mask=torch.ones_like(ids))
+    return timed_generate(model, ids, n, attention_mask=torch.ones_like(ids), **hf_sampling())
 
   t0 = time.perf_counter()
   gen(ps[:1], 2)  # warm-up
@@ -80,14 +98,13 @@ def run_transformers(gguf, dtype: str, ps: list[list[int]]) -> dict:
 def run_blink(dtype: str, ps: list[list[int]], kv_pages: str) -> dict:
   import resource
 
-  from blink_jax.engine import Engine, SamplingParams
+  from blink_jax.engine import Engine
   cpu = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])  # noqa: E731
   kw = {} if kv_pages == "default" else {"kv_pages": int(kv_pages)}
   t0 = time.perf_counter()
   eng = Engine.from_checkpoint("gemma", dtype=dtype, max_seqs=max(8, len(ps)), **kw)
   startup = time.perf_counter() - t0
-  one = lambda n: eng.generate(prompt_token_ids=ps[0], sampling=SamplingParams(  # noqa: E731
-      max_tokens=n, ignore_eos=True))
+  one = lambda n: eng.generate(prompt_token_ids=ps[0], sampling=blink_sampling(n))  # noqa: E731
   try:
     first = one(2).ttft_s
     c0, w0 = cpu(), time.perf_counter()
@@ -100,8 +117,7 @@ def run_blink(dtype: str, ps: list[list[int]], kv_pages: str) -> dict:
       per_tok.append((o.e2e_s - o.ttft_s) / (len(o.token_ids) - 1) * 1e3)
     for _ in range(FLAGS.repeats):
       t = time.perf_counter()
-      outs = eng.generate(prompt_token_ids=ps, sampling=SamplingParams(
-          max_tokens=FLAGS.new_tokens, ignore_eos=True))
+      outs = eng.generate(prompt_token_ids=ps, sampling=blink_sampling(FLAGS.new_tokens))
       thr.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t))
     return {"impl": "blink-jax", "dtype": dtype, "kv_pages": eng.config.kv_pages,
             "max_context": eng.config.max_context, "buckets": list(eng.config.buckets),
@@ -137,6 +153,8 @@ def main(argv):
   C.write_result(FLAGS.out, "cpu_vs_transformers", rows, {
       "prompt_tokens": FLAGS.prompt_tokens, "new_tokens": FLAGS.new_tokens,
       "batch": FLAGS.batch, "repeats": FLAGS.repeats, "cpu": C.cpu_model(),
+      "sampling": {"temperature": FLAGS.temperature, "top_p": FLAGS.top_p,
+                   "top_k": FLAGS.top_k},
       "torch": torch.__version__, "transformers": transformers.__version__})
 
 

@@ -91,12 +91,14 @@ def generate_compile_kwargs(mode: str) -> dict:
 
 
 def timed_generate(model, ids, n: int, sync=lambda: None, **kwargs) -> float:
-  """Seconds `model.generate` takes to add exactly `n` greedy tokens to `ids` (a batch)."""
+  """Seconds `model.generate` takes to add exactly `n` tokens to `ids` (a batch): greedy
+  unless kwargs sample (do_sample=True with its parameters)."""
   import torch
+  kwargs.setdefault("do_sample", False)
   sync()
   t = time.perf_counter()
   with torch.inference_mode():
-    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kwargs)
+    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
   sync()
   assert out.shape[1] == ids.shape[1] + n
   return time.perf_counter() - t

@@ -34,3 +34,19 @@ def test_script_writes_a_row_per_mode(tmp_path):
     assert "error" not in r, r
     assert r["ms_per_token_median"] > 0 and r["tokens_per_s"] > 0
   assert result["config"] == "gemma3-270m" and result["tokens"] == 3
+
+
+def test_timed_generate_is_greedy_unless_asked_to_sample():
+  import torch
+
+  class Recorder:
+    def generate(self, ids, **kw):
+      self.kw = kw
+      return torch.zeros(ids.shape[0], ids.shape[1] + kw["max_new_tokens"])
+
+  m, ids = Recorder(), torch.zeros(2, 5, dtype=torch.long)
+  H.timed_generate(m, ids, 3)
+  assert m.kw["do_sample"] is False and m.kw["min_new_tokens"] == 3
+  H.timed_generate(m, ids, 3, do_sample=True, temperature=0.7, top_p=0.9, top_k=0)
+  assert (m.kw["do_sample"], m.kw["temperature"], m.kw["top_p"], m.kw["top_k"]) == (
+      True, 0.7, 0.9, 0)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from blink_jax.model.sampling import _draw, _filtered, top_n, sample
+from blink_jax.model.sampling import _draw, _filtered, argmax, top_n, sample
 
 
 def _reference_keep(x, k, p):
@@ -146,3 +146,22 @@ def test_sample_with_top_p_follows_the_filtered_softmax():
       jnp.zeros(n, jnp.int32), jnp.zeros(n, jnp.int32), -jnp.ones(n, jnp.int32), z,
       max_top=0)[0])(jnp.broadcast_to(jnp.asarray(x), (n, vocab)))
   assert _chi_square_p(np.bincount(np.asarray(tokens), minlength=vocab), probs) > 1e-4
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([1, 511, 512, 1300]))
+def test_argmax_is_jnp_argmax(seed, vocab):
+  """Ties (a coarse grid) and -inf rows: the first of equal maxima; a row with NaNs still
+  gets an index inside the vocabulary."""
+  rng = np.random.default_rng(seed)
+  x = np.round(rng.normal(size=(5, vocab)) * 2).astype(np.float32)
+  x[1] = -np.inf
+  x[3, rng.integers(vocab, size=2)] = x[3].max() + 1  # a tie at the top
+  np.testing.assert_array_equal(np.asarray(_argmax_jit(jnp.asarray(x))),
+                                np.argmax(x, axis=-1))
+  x[2, rng.integers(vocab)] = np.nan
+  x[4] = np.nan
+  assert ((0 <= (got := np.asarray(_argmax_jit(jnp.asarray(x))))) & (got < vocab)).all()
+
+
+_argmax_jit = jax.jit(argmax)

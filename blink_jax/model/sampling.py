@@ -72,20 +72,41 @@ def _filtered(logits, temperature, top_k, top_p, ways: int = 1):
   return jnp.where(x >= jnp.minimum(t, hi)[:, None], x, -jnp.inf)
 
 
+# Tokens per block of the two-level draw and argmax (see _draw, argmax).
+_BLOCK = 512
+
+
+def _blocks(x):
+  """x [R, V] as [R, ceil(V / _BLOCK), _BLOCK], padded with -inf."""
+  rows, vocab = x.shape
+  nb = -(-vocab // _BLOCK)
+  if nb * _BLOCK != vocab:
+    x = jnp.pad(x, ((0, 0), (0, nb * _BLOCK - vocab)), constant_values=-jnp.inf)
+  return x.reshape(rows, nb, _BLOCK)
+
+
+def argmax(x):
+  """jnp.argmax(x, axis=-1) of x [R, V] (the first of equal maxima), int32: the block
+  holding the row's maximum by a plain max per block, then the position inside it. XLA's CPU
+  backend runs an argmax over a whole row (a reduction of value-index pairs) about 25x
+  slower than that max. A row with a NaN gets some index below V (a max reduction may drop
+  NaNs where argmax takes the first)."""
+  blocks = _blocks(x)
+  b = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)
+  i = jnp.argmax(jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0], axis=-1)
+  return jnp.minimum(b * _BLOCK + i, x.shape[-1] - 1).astype(jnp.int32)
+
+
 def top_n(lp, n: int):
   """Top-n values and ids per row by n masked argmax passes (no sort, see _search)."""
   ids, vals = [], []
   cols = jnp.arange(lp.shape[-1])
   for _ in range(n):
-    i = jnp.argmax(lp, axis=-1)
+    i = argmax(lp)
     vals.append(jnp.take_along_axis(lp, i[:, None], axis=-1)[:, 0])
-    ids.append(i.astype(jnp.int32))
+    ids.append(i)
     lp = jnp.where(cols[None, :] == i[:, None], -jnp.inf, lp)
   return jnp.stack(vals, axis=1), jnp.stack(ids, axis=1)
-
-
-# Tokens per block of the two-level draw (see _draw).
-_BLOCK = 512
 
 
 def _draw(keys, x):
@@ -97,18 +118,14 @@ def _draw(keys, x):
   random number and two logarithms for every logit, here the whole row costs one exp per
   logit (the blocks' masses). No prefix sums: XLA may make a cumulative sum a CUB scan,
   which a CUDA-graph loop cannot hold (docs/ARCHITECTURE.md, "Sampling")."""
-  rows, vocab = x.shape
-  nb = -(-vocab // _BLOCK)
-  if nb * _BLOCK != vocab:
-    x = jnp.pad(x, ((0, 0), (0, nb * _BLOCK - vocab)), constant_values=-jnp.inf)
-  blocks = x.reshape(rows, nb, _BLOCK)
+  blocks = _blocks(x)
   top = jnp.max(x, axis=-1)
   mass = jnp.sum(jnp.exp(blocks - top[:, None, None]), axis=-1)  # [R, nb]; the top's block >= 1
   pick_block, pick_token = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
   categorical = jax.vmap(jax.random.categorical)
   b = categorical(pick_block, jnp.log(mass))  # a block of no mass has log 0 = -inf: never
   i = categorical(pick_token, jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0])
-  return (b * _BLOCK + i).astype(jnp.int32)
+  return jnp.minimum(b * _BLOCK + i, x.shape[-1] - 1).astype(jnp.int32)  # NaNs: in range
 
 
 def sample(logits, temperature, top_p, top_k, seed_lo, seed_hi, position, num_logprobs,
@@ -123,7 +140,7 @@ def sample(logits, temperature, top_p, top_k, seed_lo, seed_hi, position, num_lo
   put into a CUDA graph. `search_ways`: thresholds per pass of the top-k / top-p searches
   (see _search).
   """
-  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  greedy = argmax(logits)
 
   def stochastic():
     filt = lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)),
