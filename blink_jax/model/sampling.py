@@ -2,7 +2,9 @@
 
 A row's random key depends only on its request's seed and the position of the token being
 sampled, so the same seed and prompt give the same tokens whatever else is in the batch (and
-after a preemption and recompute).
+after a preemption and recompute); row by row, up to how a backend rounds a row's sums (the
+top-p mass, the blocks' masses of the draw), which could move a draw that falls within
+rounding of a boundary.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ def _search(lo, hi, ok_at, ways: int):
   the interval (`ok_at(ts)`: ts [rows, ways] -> bool [rows, ways], one fused reduction over
   the [rows, vocab] logits) and narrows it (ways + 1)-fold, as finely in all as 32 halvings:
   1 way is 32 passes of one comparison per logit, 15 ways 8 passes of 15. A CPU is bound by
-  the comparisons, a GPU by the passes (docs/ARCHITECTURE.md, "Sampling").
+  the comparisons; a GPU may be bound by the passes over memory instead (bench.sampling
+  --search_ways measures both; docs/ARCHITECTURE.md, "Sampling").
   """
   passes = math.ceil(32 / math.log2(ways + 1))
   frac = jnp.arange(1, ways + 1, dtype=jnp.float32) / (ways + 1)
