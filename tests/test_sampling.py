@@ -165,3 +165,22 @@ def test_argmax_is_jnp_argmax(seed, vocab):
 
 
 _argmax_jit = jax.jit(argmax)
+
+
+def test_sampler_lowered_for_cuda_has_nothing_a_cuda_graph_loop_cannot_hold():
+  """The whole sampler (greedy, filters, draw, logprobs) exported for CUDA: no sort (a CUB
+  call), no cumulative sum (a reduce_window or scan, which XLA may make a CUB scan), no
+  custom call, no loop (docs/ARCHITECTURE.md, "CUDA-graph rules")."""
+  import re
+
+  from tests.cuda_lowering import lower_for_cuda
+  rows, vocab = 4, 1000
+  s = jax.ShapeDtypeStruct
+  z = (s((rows,), jnp.float32), s((rows, 2), jnp.int32), s((rows, 2), jnp.float32))
+  args = (s((rows, vocab), jnp.float32), s((rows,), jnp.float32), s((rows,), jnp.float32),
+          *(s((rows,), jnp.int32),) * 5, z)
+  text = lower_for_cuda(lambda *a: sample(*a, max_top=2, search_ways=15), *args)
+  ops = set(re.findall(r"\b(?:stablehlo|chlo)\.[a-z_]+|custom_call", text))
+  assert "stablehlo.case" in ops and "stablehlo.exponential" in ops  # the sampled path is in
+  assert not ops & {"stablehlo.sort", "chlo.scan", "stablehlo.reduce_window", "stablehlo.while",
+                    "custom_call", "stablehlo.rng", "stablehlo.rng_bit_generator"}, ops

@@ -54,7 +54,9 @@ def _filtered(logits, temperature, top_k, top_p, ways: int = 1):
   vocab = x.shape[-1]
   hi = jnp.max(x, axis=-1)
   lo = jnp.min(x, axis=-1)
-  none = jnp.full_like(hi, -jnp.inf)
+  # -inf per row, made from the data: a branch that returns a broadcast constant is a memset,
+  # which a CUDA-graph loop cannot hold (docs/ARCHITECTURE.md, "CUDA-graph rules").
+  none = lo - jnp.inf
 
   def kth():  # the k-th largest value: the largest t with count(x >= t) >= k
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab).astype(jnp.float32)
