@@ -40,9 +40,6 @@ GPU_GAUGES = ("pages_in_use", "pages_total", "running", "waiting", "last_step_to
 # exported in seconds: per loop iteration, what a step costs outside the model, the part
 # that reads and writes the mailbox in host memory.
 GPU_SECONDS = {"schedule_ns": "schedule_seconds", "commit_ns": "commit_seconds"}
-# The schedule kernel's time by phase (header sched_<phase>_ns, protocol.SCHEDULE_PHASES), one
-# family labelled by phase: which part grows when a step slows down (docs/ARCHITECTURE.md,
-# "The mailbox contract").
 
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -82,6 +79,9 @@ class HeaderCollector:
                               f"{field[:-3]} kernel (CUDA only)")
       c.add_metric([], h[field] / 1e9)
       yield c
+    # The schedule kernel's time by phase (header sched_<phase>_ns), one family labelled by
+    # phase: which part grows when a step slows down (docs/ARCHITECTURE.md, "The mailbox
+    # contract").
     phases = CounterMetricFamily(
         "blink_gpu_schedule_phase_seconds", "Device time in the scheduler's schedule kernel by "
         "phase (CUDA only): scan (doorbells, slot scan), poll (lane checks, releases), decode, "

@@ -148,6 +148,9 @@ def test_sample_with_top_p_follows_the_filtered_softmax():
   assert _chi_square_p(np.bincount(np.asarray(tokens), minlength=vocab), probs) > 1e-4
 
 
+_argmax_jit = jax.jit(argmax)
+
+
 @settings(max_examples=20, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.sampled_from([1, 511, 512, 1300]))
 def test_argmax_is_jnp_argmax(seed, vocab):
@@ -163,8 +166,6 @@ def test_argmax_is_jnp_argmax(seed, vocab):
   x[4] = np.nan
   assert ((0 <= (got := np.asarray(_argmax_jit(jnp.asarray(x))))) & (got < vocab)).all()
 
-
-_argmax_jit = jax.jit(argmax)
 
 
 def test_sampler_lowered_for_cuda_has_nothing_a_cuda_graph_loop_cannot_hold():
