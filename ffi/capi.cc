@@ -318,6 +318,11 @@ void blink_prefix_page(int64_t np, int64_t ps, int32_t* buf, int32_t p, int32_t*
   const int64_t regions[5] = {L.cached, L.ref, L.kids, L.parent, L.tick};
   for (int i = 0; i < 5; ++i) out5[i] = pc.at(regions[i], p);
 }
+// Links the evictable list's insertions have followed since init (the cost of keeping it in
+// release order; wraps at 2^32).
+uint32_t blink_prefix_lru_links(int64_t np, int64_t ps, int32_t* buf) {
+  return uint32_t(prefix_cache(np, ps, buf).sc(PC_LRU_LINKS));
+}
 // The evictable list from its head (least recently released first); returns its length.
 int32_t blink_prefix_lru(int64_t np, int64_t ps, int32_t* buf, int32_t* out) {
   const BlinkPrefixCache pc = prefix_cache(np, ps, buf);

@@ -45,7 +45,7 @@ struct BlinkPrefixLayout {
     table_size = 2;  // a power of two, at least twice the pages: probes stay short
     while (table_size < 2 * pages) table_size *= 2;
     scalars = base;
-    cached = scalars + 8;
+    cached = scalars + 8;  // PC_NUM_SCALARS <= 8
     ref = cached + pages;
     kids = ref + pages;
     parent = kids + pages;
@@ -63,7 +63,12 @@ struct BlinkPrefixLayout {
 // PC_NUM_IDLE: cached pages that no lane holds. All of them can be reclaimed (evicting
 // leaves first): a lane holds its whole registered prefix, so an unreferenced page has no
 // referenced descendant. The scheduler counts them as available pages.
-enum BlinkPrefixScalar { PC_LRU_HEAD = 0, PC_LRU_TAIL, PC_NUM_CACHED, PC_NUM_EVICTABLE, PC_NUM_IDLE };
+enum BlinkPrefixScalar {
+  PC_LRU_HEAD = 0, PC_LRU_TAIL, PC_NUM_CACHED, PC_NUM_EVICTABLE, PC_NUM_IDLE,
+  PC_LRU_LINKS,  // links lru_insert followed, all calls together (wraps; a cost probe)
+  PC_NUM_SCALARS
+};
+static_assert(PC_NUM_SCALARS <= 8, "BlinkPrefixLayout keeps 8 scalar words");
 
 struct BlinkPrefixCache {
   int32_t* st;
@@ -85,7 +90,7 @@ struct BlinkPrefixCache {
   // Host-side or leader-run initialisation: nothing cached, no references.
   BLINK_HD void init() const {
     sc(PC_LRU_HEAD) = sc(PC_LRU_TAIL) = -1;
-    sc(PC_NUM_CACHED) = sc(PC_NUM_EVICTABLE) = sc(PC_NUM_IDLE) = 0;
+    sc(PC_NUM_CACHED) = sc(PC_NUM_EVICTABLE) = sc(PC_NUM_IDLE) = sc(PC_LRU_LINKS) = 0;
     for (int64_t p = 0; p < lay.num_pages; ++p) {
       at(lay.cached, p) = at(lay.ref, p) = at(lay.kids, p) = at(lay.tick, p) = 0;
       at(lay.parent, p) = at(lay.prev, p) = at(lay.next, p) = -1;
@@ -170,13 +175,33 @@ struct BlinkPrefixCache {
   }
 
   // ---- the evictable list, in (tick, insertion) order ----
+  // Whether page a was released after page b (wrap-safe).
+  BLINK_HD bool later(int32_t a, int32_t b) const {
+    return int32_t(uint32_t(at(lay.tick, a)) - uint32_t(at(lay.tick, b))) > 0;
+  }
+  // Puts p after every listed page released no later than it. The spot is sought from both
+  // ends at once, a link a side per round, and the first side to reach it wins: a fresh
+  // release belongs at the tail, and a parent made evictable by its child's eviction was
+  // mostly released with that child, the list's head, so it belongs near the head. A walk
+  // from the tail alone crossed the whole list for every such parent: one dependent load per
+  // cached sequence, for each page the free list lacked once the cache had filled the pages
+  // (docs/ARCHITECTURE.md, "Prefix caching"). PC_LRU_LINKS counts the links followed.
   BLINK_HD void lru_insert(int32_t p) const {
-    // Walk back from the tail past later ticks (wrap-safe): a fresh release goes at the tail
-    // at once; a parent freed by an eviction goes back to its own release time.
-    int32_t after = sc(PC_LRU_TAIL);
-    while (after >= 0 && int32_t(uint32_t(at(lay.tick, after)) - uint32_t(at(lay.tick, p))) > 0)
-      after = at(lay.prev, after);
-    const int32_t before = after >= 0 ? at(lay.next, after) : sc(PC_LRU_HEAD);
+    int32_t fwd = sc(PC_LRU_HEAD), back = sc(PC_LRU_TAIL), after, before;
+    uint32_t links = 1;
+    for (;; fwd = at(lay.next, fwd), back = at(lay.prev, back), ++links) {
+      if (fwd < 0 || later(fwd, p)) {  // the first page released after p, or none
+        before = fwd;
+        after = fwd >= 0 ? at(lay.prev, fwd) : sc(PC_LRU_TAIL);
+        break;
+      }
+      if (back < 0 || !later(back, p)) {  // the last page released no later than p
+        after = back;
+        before = back >= 0 ? at(lay.next, back) : sc(PC_LRU_HEAD);
+        break;
+      }
+    }
+    sc(PC_LRU_LINKS) = int32_t(uint32_t(sc(PC_LRU_LINKS)) + links);
     at(lay.prev, p) = after;
     at(lay.next, p) = before;
     if (after >= 0) at(lay.next, after) = p; else sc(PC_LRU_HEAD) = p;

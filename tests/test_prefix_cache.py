@@ -39,6 +39,8 @@ def _lib():
   lib.blink_prefix_page.argtypes = [ctypes.c_int64, ctypes.c_int64, _i32p, ctypes.c_int32,
                                     _i32p]
   lib.blink_prefix_lru.restype = ctypes.c_int32
+  lib.blink_prefix_lru_links.restype = ctypes.c_uint32
+  lib.blink_prefix_lru_links.argtypes = [ctypes.c_int64, ctypes.c_int64, _i32p]
   lib.blink_prefix_lru.argtypes = [ctypes.c_int64, ctypes.c_int64, _i32p, _i32p]
   lib.blink_prefix_check.restype = ctypes.c_char_p
   lib.blink_prefix_check.argtypes = [ctypes.c_int64, ctypes.c_int64, _i32p]
@@ -90,6 +92,9 @@ class Registry:
     n = self.lib.blink_prefix_lru(self.np, self.ps, self.ptr, out.ctypes.data_as(_i32p))
     return [int(x) for x in out[:n]]
 
+  def lru_links(self) -> int:
+    return int(self.lib.blink_prefix_lru_links(self.np, self.ps, self.ptr))
+
   def check(self) -> str:
     return self.lib.blink_prefix_check(self.np, self.ps, self.ptr).decode()
 
@@ -137,6 +142,35 @@ def test_only_unreferenced_leaves_are_evicted_least_recently_released_first():
   assert (r.evict(), r.evict(), r.evict()) == (0, 2, -1)
   assert r.lookup(h0, -1, [1, 1]) == -1
   assert r.check() == ""
+
+
+def test_a_full_cache_evicts_in_constant_links_per_page():
+  """A cache holding many finished sequences (chains of pages, each released at its own
+  step) is evicted completely, as a server whose cache has filled its pages does, one page
+  per page it allocates. Each eviction of a leaf makes its parent evictable, at the oldest
+  tick but one: the evictable list takes it near its head. A walk from the tail alone
+  followed a link per listed sequence for every such parent (here 952 links over the whole
+  eviction, growing with the square of the cache); now each insertion follows one (112)."""
+  seqs, depth, ps = 16, 8, 2
+  r = Registry(seqs * depth, ps)
+  for s in range(seqs):
+    h, parent = 0, -1
+    for i in range(depth):
+      page, toks = s * depth + i, [s, i]
+      h = r.hash(h, toks)
+      r.acquire(page)
+      r.insert(page, h, parent, toks)
+      parent = page
+    for i in range(depth):
+      r.release(s * depth + i, tick=s + 1)
+  assert r.lru() == [s * depth + depth - 1 for s in range(seqs)]  # one leaf per sequence
+  inserted = r.lru_links()
+  assert inserted == seqs  # a fresh release goes at the tail at once
+  evicted = [r.evict() for _ in range(seqs * depth)]
+  # Least recently released first: each sequence leaf first, down to its root.
+  assert evicted == [s * depth + i for s in range(seqs) for i in reversed(range(depth))]
+  assert r.evict() == -1 and r.check() == ""
+  assert r.lru_links() - inserted == seqs * (depth - 1)
 
 
 class RegistryMachine(RuleBasedStateMachine):
