@@ -52,7 +52,7 @@ def sequences_for_memory(cfg: ModelConfig, *, context: int, page_size: int, kv_b
     try:
       pages = kv_pages_for_memory(
           bytes_limit=kv_bytes, bytes_in_use=0, workspace_bytes=0, fraction=1.0,
-          max_seqs=seqs, max_context=context, page_size=page_size,
+          max_seqs=seqs, max_context=context, page_size=page_size, prefix_caching=False,
           page_bytes=kv_page_bytes(cfg, page_size, windowed=windowed),
           ring_bytes=ring_bytes(cfg, page_size, seqs * window_pages))
     except ValueError:  # not one sequence fits

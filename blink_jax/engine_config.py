@@ -147,9 +147,9 @@ class EngineConfig:
                                 "--max-num-seqs; 8 on a CPU).")
   kv_pages: int | None = _field(None, "KV cache pages (default: on a GPU as many as "
                                 "kv_cache_memory_fraction of its memory holds after the "
-                                "weights and the step's workspace, at most max_context worth "
-                                "for every sequence; on a CPU max_context worth for every "
-                                "sequence).")
+                                "weights and the step's workspace (without prefix caching "
+                                "at most max_context worth for every sequence); on a CPU "
+                                "max_context worth for every sequence).")
   kv_cache_memory_fraction: float | None = _field(
       None, "Share of the GPU memory XLA may use (memory_stats' bytes_limit) that the "
       "weights, the step's workspace and the KV cache may take when kv_pages is not given, "
@@ -377,6 +377,8 @@ class EngineConfig:
              + f"{_gib(self.kv_pages * memory.page_bytes)} of KV")
       if self.kv_pages < room:
         why += f"; capped at max_context worth per sequence, room for {room}"
+      elif self.prefix_caching and self.kv_pages > worth:
+        why += f"; {self.kv_pages - worth} past max_context worth per sequence keep prefixes"
     return f"capacity: {self.max_seqs} sequences, {self.kv_pages} KV pages ({why}); "
 
 
@@ -409,11 +411,13 @@ def _room(m: DeviceMemory, fraction: float) -> int:
 
 def kv_pages_for_memory(*, bytes_limit: int, bytes_in_use: int, workspace_bytes: int,
                         page_bytes: int, fraction: float, max_seqs: int, max_context: int,
-                        page_size: int, ring_bytes: int = 0) -> int:
+                        page_size: int, prefix_caching: bool, ring_bytes: int = 0) -> int:
   """KV pages for a GPU, as vLLM sizes its cache: what fits in `fraction` of `bytes_limit`
   beside the `bytes_in_use` (the weights) and the step's `workspace_bytes`, in whole pages of
-  `page_bytes`, but no more than max_seqs sequences of max_context tokens can hold (more would
-  never be used). Raises ValueError, with the figures, when not one max_context fits."""
+  `page_bytes`. Without prefix caching no more than max_seqs sequences of max_context tokens
+  can hold, since more would never be used; with it the pages past those keep finished
+  requests' prefixes for later hits, as vLLM's cache does (docs/ARCHITECTURE.md, "Prefix
+  caching"). Raises ValueError, with the figures, when not one max_context fits."""
   m = DeviceMemory(bytes_limit, bytes_in_use, workspace_bytes, page_bytes, ring_bytes)
   room = _room(m, fraction)
   per_seq = full_context_pages(max_context, page_size, 1)
@@ -427,7 +431,8 @@ def kv_pages_for_memory(*, bytes_limit: int, bytes_in_use: int, workspace_bytes:
         f"{page_bytes} bytes; one sequence of max_context={max_context} needs {per_seq} "
         f"({_gib(per_seq * page_bytes)}). Raise kv_cache_memory_fraction, lower max_context "
         "or serve a smaller model or dtype")
-  return min(pages, full_context_pages(max_context, page_size, max_seqs))
+  return pages if prefix_caching else min(pages, full_context_pages(max_context, page_size,
+                                                                    max_seqs))
 
 
 # ---- command-line flags (absl), one per field ----

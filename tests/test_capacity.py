@@ -18,9 +18,11 @@ MEM = DeviceMemory(bytes_limit=100 * GiB, bytes_in_use=2 * GiB,
                    workspace_bytes=3 * GiB // 2, page_bytes=MiB)
 
 
-def pages(fraction=0.5, max_seqs=256, max_context=4096, page_size=16, **kw):
+def pages(fraction=0.5, max_seqs=256, max_context=4096, page_size=16, prefix_caching=False,
+          **kw):
   return kv_pages_for_memory(**{**dataclasses.asdict(MEM), **kw}, fraction=fraction,
-                             max_seqs=max_seqs, max_context=max_context, page_size=page_size)
+                             max_seqs=max_seqs, max_context=max_context, page_size=page_size,
+                             prefix_caching=prefix_caching)
 
 
 def test_pages_are_what_the_fraction_leaves_after_weights_and_workspace():
@@ -32,6 +34,14 @@ def test_pages_are_what_the_fraction_leaves_after_weights_and_workspace():
 def test_pages_are_capped_at_max_context_for_every_sequence():
   assert pages(0.9) == 256 * 4096 // 16  # 88,576 would fit
   assert pages(0.9, max_seqs=8, max_context=100) == 8 * 7  # a partial page counts whole
+
+
+def test_with_prefix_caching_the_pages_past_the_cap_keep_prefixes():
+  """The cache keeps finished requests' pages for later hits: all the room is used, as in
+  vLLM, not only what the running sequences could fill."""
+  assert pages(0.9, prefix_caching=True) == 88_576
+  assert pages(0.9, max_seqs=8, max_context=100, prefix_caching=True) == 88_576
+  assert pages(0.5, prefix_caching=True) == pages(0.5) == 47_616  # under the cap: the same
 
 
 def test_pages_round_down_to_whole_pages_and_bytes():
@@ -96,6 +106,11 @@ def test_the_startup_line_says_what_was_chosen_and_why():
       "capacity: 256 sequences, 65536 KV pages (0.9 of 100.0 GiB: weights 2.0 GiB, "
       "workspace 1.5 GiB, 64.0 GiB of KV; capped at max_context worth per sequence, room "
       "for 88576); "), capped.describe(MEM)
+  kept = dataclasses.replace(EngineConfig().resolved(32768, "gpu"), kv_pages=88_576)
+  assert kept.describe(MEM).startswith(
+      "capacity: 256 sequences, 88576 KV pages (0.9 of 100.0 GiB: weights 2.0 GiB, "
+      "workspace 1.5 GiB, 86.5 GiB of KV; 23040 past max_context worth per sequence keep "
+      "prefixes); "), kept.describe(MEM)
   assert not EngineConfig().describe().startswith("capacity")  # unresolved: nothing chosen
 
 

@@ -256,7 +256,8 @@ class Engine:
                           ring_bytes=ex.ring_bytes)
     pages = kv_pages_for_memory(**dataclasses.asdict(memory),
                                 fraction=c.kv_cache_memory_fraction, max_seqs=c.max_seqs,
-                                max_context=c.max_context, page_size=c.page_size)
+                                max_context=c.max_context, page_size=c.page_size,
+                                prefix_caching=c.prefix_caching)
     self.config = dataclasses.replace(c, kv_pages=pages)
     ex.set_num_pages(pages)
     self.sched = ex.sched
