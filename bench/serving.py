@@ -69,6 +69,12 @@ def define_flags() -> None:
                        "salt sends the same lengths at the same times with other tokens, so "
                        "two runs compare like for like without one being served from the "
                        "other's prefix cache (the suite's thrasher run against its quiet run)")
+  flags.DEFINE_integer("warm_cache_tokens", 0, "before the first rate, send prompts of their "
+                       "own totalling this many tokens, one output token each, so that the "
+                       "server's prefix cache is full and every rate runs as on a server that "
+                       "has served a while (each page it takes then evicts one); 0: a fresh "
+                       "server's empty cache")
+  flags.DEFINE_integer("warm_cache_prompt_len", 1000, "tokens per --warm_cache_tokens prompt")
   flags.DEFINE_enum("prompt_format", "ids", ["ids", "text"], "send prompts as token ids or text")
   flags.DEFINE_string("tokenizer", None, "SentencePiece model used to tokenize ShareGPT text "
                       "(default: 4 characters per token, random ids in ids mode)")
@@ -262,6 +268,16 @@ def sharegpt_requests(path: str, n: int, seed: int, *, fmt: str = "ids", tokeniz
   if len(out) < n:  # fewer usable conversations than requests: repeat them
     out += [out[i % len(out)] for i in range(n - len(out))]
   return out
+
+
+def warm_cache_requests(tokens: int, prompt_len: int, seed: int, *, fmt: str = "ids",
+                        vocab_size: int = 32000, max_context: int = 4096) -> list[Req]:
+  """Prompts of their own (seed's generator, none shared with a measured set) totalling
+  `tokens`, each `prompt_len` long (at most max_context - 1) and asking one token: what fills
+  a server's prefix cache before a measurement (--warm_cache_tokens)."""
+  n = max(1, min(prompt_len, max_context - 1))
+  rng = np.random.default_rng([seed, 0x5eed])
+  return [Req(random_prompt(n, rng, fmt, vocab_size), n, 1) for _ in range(-(-tokens // n))]
 
 
 def arrival_times(n: int, rate: float, rng: np.random.Generator) -> np.ndarray:
@@ -838,6 +854,24 @@ def normalize_argv(argv: list[str]) -> list[str]:
   return out
 
 
+def warm_cache(headers: dict, model: str, max_context: int) -> dict:
+  """Sends the --warm_cache_tokens prompts (at most --max_concurrency, else 256, in flight)
+  and says what they took; a failed one fails the run, as it would leave the cache short."""
+  reqs = warm_cache_requests(FLAGS.warm_cache_tokens, FLAGS.warm_cache_prompt_len, FLAGS.seed,
+                             fmt=FLAGS.prompt_format, vocab_size=FLAGS.vocab_size,
+                             max_context=max_context)
+  print(f"warming the cache: {len(reqs)} prompts of {reqs[0].input_len} tokens")
+  recs, duration = asyncio.run(run_rate(FLAGS.base_url, headers, model, reqs, float("inf"),
+                                        FLAGS.seed, FLAGS.max_concurrency or 256,
+                                        FLAGS.request_timeout_s, progress=False))
+  failed = [r.error for r in recs if not r.ok]
+  if failed:
+    raise RuntimeError(f"{len(failed)} of {len(recs)} cache-warming requests failed, e.g. "
+                       f"{failed[0]}")
+  return {"requests": len(recs), "prompt_tokens": sum(r.input_len for r in reqs),
+          "duration_s": duration}
+
+
 def main(argv):
   files = [*FLAGS.compare, *argv[1:]]  # --compare a.json b.json: b.json arrives positional
   if len(argv) > 1 and not FLAGS.compare:
@@ -908,13 +942,15 @@ def main(argv):
   procs = C.start_interference(FLAGS.interference, set(interference_cpus), 24 * 3600) \
       if FLAGS.interference else []
   rows, per_request = [], {}
-  idle = {}
+  idle, warm = {}, {}
   sampling = {"temperature": FLAGS.temperature,
               **({"top_p": FLAGS.top_p} if FLAGS.top_p is not None else {}),
               **({"top_k": FLAGS.top_k} if FLAGS.top_k is not None else {})}
   try:
     if procs:
       time.sleep(1.0)  # let the thrashers fill their buffers
+    if FLAGS.warm_cache_tokens > 0:
+      warm = warm_cache(headers, model, max_context)
     if FLAGS.idle_power_s > 0 and sampler.handles:  # no NVML: nothing to sample
       with sampler:
         time.sleep(FLAGS.idle_power_s)
@@ -953,7 +989,7 @@ def main(argv):
            "interference_cpus": (interference_cpus if frontend_cpus else "all")
            if FLAGS.interference else None,
            "energy_note": sampler.reason, "idle_power_w": idle.get("avg_power_w"),
-           "requests": per_request}
+           "warm_cache": warm or None, "requests": per_request}
   if FLAGS.server_info:
     extra["server_info"] = json.loads(pathlib.Path(FLAGS.server_info).read_text())
   out = FLAGS.out or f"bench/results/serving_{FLAGS.label}.json"

@@ -484,3 +484,33 @@ def test_sampling_flags_reach_every_request(tmp_path, tokenizer_path):
                for r in got)
   assert json.loads(out.read_text())["sampling"] == {"temperature": 0.7, "top_p": 0.9,
                                                      "top_k": 40}
+
+
+def test_warm_cache_requests_are_their_own_prompts():
+  reqs = BS.warm_cache_requests(250, 100, 0, vocab_size=320, max_context=64)
+  assert [(r.input_len, r.max_tokens, len(r.prompt)) for r in reqs] == [(63, 1, 63)] * 4
+  measured = BS.synthetic_requests(50, 0, vocab_size=320, max_context=64)
+  firsts = {tuple(r.prompt[:16]) for r in reqs}
+  assert len(firsts) == 4 and not firsts & {tuple(r.prompt[:16]) for r in measured}
+
+
+def test_warm_cache_runs_before_the_first_rate(tmp_path, tokenizer_path):
+  """--warm_cache_tokens sends its one-token prompts first, all of them, then the rates."""
+  with FD.running_device(tokenizer_path) as fake:
+    proc, port, log = _start_worker(tmp_path, tokenizer_path,
+                                    ["--transport", "shm", "--shm-name", fake.region.name],
+                                    {"BLINK_API_KEY": API_KEY})
+    try:
+      out = tmp_path / "warm.json"
+      _run_tool("--base-url", f"http://127.0.0.1:{port}/v1", "--api-key", API_KEY,
+                "--num-prompts", "4", "--rates", "inf", "--vocab-size",
+                str(fake.device.dc.vocab_size), "--input-len", "8", "--max-tokens", "3",
+                "--warm-cache-tokens", "100", "--warm-cache-prompt-len", "40", "--no-plot",
+                "--out", str(out))
+    finally:
+      FD.terminate(proc)
+    seen = [r["prompt_len"] for r in fake.device.requests]
+  assert seen == [40] * 3 + [8] * 4, seen
+  doc = json.loads(out.read_text())
+  assert doc["warm_cache"]["requests"] == 3 and doc["warm_cache"]["prompt_tokens"] == 120
+  assert doc["results"][0]["completed"] == 4
