@@ -376,8 +376,10 @@ class EngineConfig:
              + (f"window rings {_gib(memory.ring_bytes)}, " if memory.ring_bytes else "")
              + f"{_gib(self.kv_pages * memory.page_bytes)} of KV")
       if self.kv_pages < room:
-        why += f"; capped at max_context worth per sequence, room for {room}"
-      elif self.prefix_caching and self.kv_pages > worth:
+        bound = ("the most a layer's cache indexes with 32-bit offsets"
+                 if self.kv_pages == memory.max_pages else "max_context worth per sequence")
+        why += f"; capped at {bound}, room for {room}"
+      if self.prefix_caching and self.kv_pages > worth:
         why += f"; {self.kv_pages - worth} past max_context worth per sequence keep prefixes"
     return f"capacity: {self.max_seqs} sequences, {self.kv_pages} KV pages ({why}); "
 
@@ -386,13 +388,15 @@ class EngineConfig:
 class DeviceMemory:
   """The GPU figures the engine sizes the KV cache from (`kv_pages_for_memory`), kept for
   the startup log: what XLA's allocator may use (memory_stats' bytes_limit), what is in use
-  once the weights are loaded, the reserve for the step's temporaries, one page's bytes and,
-  with windowed pages, the sliding-window layers' rings (their size is fixed by max_seqs)."""
+  once the weights are loaded, the reserve for the step's temporaries, one page's bytes,
+  with windowed pages the sliding-window layers' rings (their size is fixed by max_seqs), and
+  the most pages a layer's cache may have (`gemma.max_kv_pages`; None: no bound)."""
   bytes_limit: int
   bytes_in_use: int
   workspace_bytes: int
   page_bytes: int
   ring_bytes: int = 0
+  max_pages: int | None = None
 
 
 def full_context_pages(max_context: int, page_size: int, max_seqs: int) -> int:
@@ -411,13 +415,16 @@ def _room(m: DeviceMemory, fraction: float) -> int:
 
 def kv_pages_for_memory(*, bytes_limit: int, bytes_in_use: int, workspace_bytes: int,
                         page_bytes: int, fraction: float, max_seqs: int, max_context: int,
-                        page_size: int, prefix_caching: bool, ring_bytes: int = 0) -> int:
+                        page_size: int, prefix_caching: bool, ring_bytes: int = 0,
+                        max_pages: int | None = None) -> int:
   """KV pages for a GPU, as vLLM sizes its cache: what fits in `fraction` of `bytes_limit`
   beside the `bytes_in_use` (the weights) and the step's `workspace_bytes`, in whole pages of
   `page_bytes`. Without prefix caching no more than max_seqs sequences of max_context tokens
   can hold, since more would never be used; with it the pages past those keep finished
   requests' prefixes for later hits, as vLLM's cache does (docs/ARCHITECTURE.md, "Prefix
-  caching"). Raises ValueError, with the figures, when not one max_context fits."""
+  caching"). Never more than `max_pages`, the most a layer's cache may have
+  (`gemma.max_kv_pages`). Raises ValueError, with the figures, when not one max_context
+  fits."""
   m = DeviceMemory(bytes_limit, bytes_in_use, workspace_bytes, page_bytes, ring_bytes)
   room = _room(m, fraction)
   per_seq = full_context_pages(max_context, page_size, 1)
@@ -431,6 +438,8 @@ def kv_pages_for_memory(*, bytes_limit: int, bytes_in_use: int, workspace_bytes:
         f"{page_bytes} bytes; one sequence of max_context={max_context} needs {per_seq} "
         f"({_gib(per_seq * page_bytes)}). Raise kv_cache_memory_fraction, lower max_context "
         "or serve a smaller model or dtype")
+  if max_pages is not None:
+    pages = min(pages, max_pages)
   return pages if prefix_caching else min(pages, full_context_pages(max_context, page_size,
                                                                     max_seqs))
 

@@ -118,6 +118,7 @@ def test_the_startup_line_says_what_was_chosen_and_why():
 
 class _Executor:
   workspace_bytes, page_bytes, ring_bytes = MEM.workspace_bytes, MEM.page_bytes, 0
+  max_pages = None
 
   def __init__(self):
     self.sched = types.SimpleNamespace(num_pages=256 * 256)
@@ -142,6 +143,25 @@ def test_the_engine_sizes_the_cache_from_the_devices_figures():
   Engine, eng = _engine(None)
   with pytest.raises(ValueError, match="reports no memory figures.*set kv_pages"):
     Engine._size_kv_cache(eng)
+
+
+def test_a_layers_cache_stays_within_32_bit_offsets():
+  """The pages are capped where a layer's kv_pages array would pass 2**31 elements, which
+  the Pallas kernels cannot address; the startup line names that bound."""
+  from blink_jax.model.config import get_config
+  from blink_jax.model.gemma import max_kv_pages
+  small = get_config("gemma3-270m")
+  assert max_kv_pages(small, 16) == (2**31 - 1) // (16 * 2 * 1 * 256) == 262_143
+  assert max_kv_pages(get_config("gemma3-27b"), 16) == 32_767
+  assert pages(0.9, prefix_caching=True, max_pages=50_000) == 50_000
+  assert pages(0.9, prefix_caching=False, max_pages=70_000) == 65_536  # the other cap first
+  Engine, eng = _engine({"bytes_limit": 100 * GiB, "bytes_in_use": 2 * GiB})
+  eng.executor.max_pages = 50_000
+  memory = Engine._size_kv_cache(eng)
+  assert eng.config.kv_pages == eng.executor.sched.num_pages == 50_000
+  assert "(0.9 of 100.0 GiB: weights 2.0 GiB, workspace 1.5 GiB, 48.8 GiB of KV; capped at " \
+         "the most a layer's cache indexes with 32-bit offsets, room for 88576)" \
+         in eng.config.describe(memory), eng.config.describe(memory)
 
 
 def test_the_compiled_loop_is_checked_against_the_workspace(caplog):
@@ -171,3 +191,17 @@ def test_the_workspace_reserve_of_the_1b_shape_is_1_5_gib():
   ex = types.SimpleNamespace(sched=types.SimpleNamespace(token_budget=256),
                              cfg=types.SimpleNamespace(vocab_size=262_144))
   assert Executor.workspace_bytes.fget(ex) == 3 * GiB // 2
+
+
+def test_kv_pages_past_the_bound_are_refused_before_anything_is_allocated():
+  from flax import nnx
+
+  from blink_jax import Engine
+  from blink_jax.model.config import tiny_config
+  from blink_jax.model.gemma import Gemma, max_kv_pages
+  cfg = tiny_config("gemma3", vocab_size=64)
+  bound = max_kv_pages(cfg, 4)
+  model = Gemma(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=f"kv_pages {bound + 1} exceeds {bound}, the most pages"):
+    Engine(model, None, max_seqs=2, page_size=4, max_context=32, num_slots=4,
+           kv_pages=bound + 1)

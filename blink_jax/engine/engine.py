@@ -226,6 +226,10 @@ class Engine:
                              kernels=asked.kernels,  # "auto" kept: it may fall back
                              donate_model=donate_model)
     memory = None
+    if c.kv_pages is not None and c.kv_pages > self.executor.max_pages:
+      raise ValueError(f"kv_pages {c.kv_pages} exceeds {self.executor.max_pages}, the most "
+                       f"pages a layer's KV cache may have (the kernels' 32-bit offsets): "
+                       f"lower it or raise page_size")
     if c.kv_pages is None:
       memory = self._size_kv_cache()
       c = self.config
@@ -253,7 +257,7 @@ class Engine:
     memory = DeviceMemory(bytes_limit=int(stats["bytes_limit"]),
                           bytes_in_use=int(stats.get("bytes_in_use", 0)),
                           workspace_bytes=ex.workspace_bytes, page_bytes=ex.page_bytes,
-                          ring_bytes=ex.ring_bytes)
+                          ring_bytes=ex.ring_bytes, max_pages=ex.max_pages)
     pages = kv_pages_for_memory(**dataclasses.asdict(memory),
                                 fraction=c.kv_cache_memory_fraction, max_seqs=c.max_seqs,
                                 max_context=c.max_context, page_size=c.page_size,

@@ -32,7 +32,8 @@ from blink_jax.engine_config import KernelOptions
 from blink_jax.executor import xla_flags
 from blink_jax.executor.loop_report import XLA_OP_BY_OP_LINE, capture_stderr, command_buffer_report
 from blink_jax.kernels.select import step_kernels
-from blink_jax.model.gemma import Block, Gemma, init_kv_cache, kv_page_bytes, ring_bytes
+from blink_jax.model.gemma import (Block, Gemma, init_kv_cache, kv_page_bytes,
+                                    max_kv_pages, ring_bytes)
 from blink_jax.model.sampling import sample, top_n
 from blink_jax.model.tensor_parallel import TP_AXIS, TensorParallel
 from blink_jax.native import batch, ffi
@@ -226,6 +227,11 @@ class Executor:
     `kv_dtype`; with windowed pages the global layers'; with tensor parallelism its heads')."""
     return kv_page_bytes(self._device_cfg, self.sched.page_size, self.kv_dtype,
                          windowed=self.sched.window > 0)
+
+  @property
+  def max_pages(self) -> int:
+    """The most KV pages this executor's cache may have (`gemma.max_kv_pages`)."""
+    return max_kv_pages(self._device_cfg, self.sched.page_size)
 
   @property
   def ring_pages(self) -> int:

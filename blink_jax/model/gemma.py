@@ -505,6 +505,14 @@ def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype: Any = jnp.bfloat16, *
   return layers * page_size * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
+def max_kv_pages(cfg: ModelConfig, page_size: int) -> int:
+  """The most pages a layer's kv_pages may have: the Pallas kernels address it with 32-bit
+  element offsets (Triton multiplies an index by its stride in the index's type, so an
+  array past 2**31 elements would be read and written at wrapped offsets). The 270M's cache
+  reaches that on an H200 when the memory alone sizes it."""
+  return (2**31 - 1) // (page_size * 2 * cfg.num_kv_heads * cfg.head_dim)
+
+
 def ring_bytes(cfg: ModelConfig, page_size: int, ring_pages: int,
                dtype: Any = jnp.bfloat16) -> int:
   """Device bytes of the sliding-window layers' rings (`init_kv_cache(ring_pages=...)`)."""
