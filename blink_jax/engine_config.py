@@ -36,6 +36,12 @@ def default_max_seqs(platform: str) -> int:
 # The share of a GPU's memory the weights, the step and the KV cache may take when
 # kv_cache_memory_fraction is not given: vLLM's --gpu-memory-utilization default.
 GPU_MEMORY_FRACTION = 0.9
+# With prefix caching a GPU's KV pages hold finished requests' prefixes too, up to this many
+# times what max_seqs sequences of max_context tokens use. The scheduler keeps 28 int32 words
+# of bookkeeping a page (free list, registry, its tokens, the hash table): a small model on a
+# large GPU would otherwise carry millions of pages of it for a cache it seldom fills. At 8
+# the 1B's and 270M's caches still take all of an H200 at a 2,048-token context.
+PREFIX_CACHE_PAGES_FACTOR = 8
 # Tokens one step may take on a GPU when max_num_batched_tokens is not given: a burst of
 # prompts prefills 4,096 tokens a step beside the decode rows. Against 2,048 it cut the P99
 # TTFT of 200 requests at once from 367 to 160 ms at the same tokens/s, and 8,192 gave no
@@ -375,10 +381,12 @@ class EngineConfig:
              f"workspace {_gib(memory.workspace_bytes)}, "
              + (f"window rings {_gib(memory.ring_bytes)}, " if memory.ring_bytes else "")
              + f"{_gib(self.kv_pages * memory.page_bytes)} of KV")
-      if self.kv_pages < room:
-        bound = ("the most a layer's cache indexes with 32-bit offsets"
-                 if self.kv_pages == memory.max_pages else "max_context worth per sequence")
-        why += f"; capped at {bound}, room for {room}"
+      bounds = {memory.max_pages: "the most a layer's cache indexes with 32-bit offsets",
+                worth * PREFIX_CACHE_PAGES_FACTOR:
+                    f"{PREFIX_CACHE_PAGES_FACTOR}x max_context worth per sequence",
+                worth: "max_context worth per sequence"}
+      if self.kv_pages < room and self.kv_pages in bounds:
+        why += f"; capped at {bounds[self.kv_pages]}, room for {room}"
       if self.prefix_caching and self.kv_pages > worth:
         why += f"; {self.kv_pages - worth} past max_context worth per sequence keep prefixes"
     return f"capacity: {self.max_seqs} sequences, {self.kv_pages} KV pages ({why}); "
@@ -422,9 +430,9 @@ def kv_pages_for_memory(*, bytes_limit: int, bytes_in_use: int, workspace_bytes:
   `page_bytes`. Without prefix caching no more than max_seqs sequences of max_context tokens
   can hold, since more would never be used; with it the pages past those keep finished
   requests' prefixes for later hits, as vLLM's cache does (docs/ARCHITECTURE.md, "Prefix
-  caching"). Never more than `max_pages`, the most a layer's cache may have
-  (`gemma.max_kv_pages`). Raises ValueError, with the figures, when not one max_context
-  fits."""
+  caching"), up to PREFIX_CACHE_PAGES_FACTOR times as many. Never more than `max_pages`, the
+  most a layer's cache may have (`gemma.max_kv_pages`). Raises ValueError, with the figures,
+  when not one max_context fits."""
   m = DeviceMemory(bytes_limit, bytes_in_use, workspace_bytes, page_bytes, ring_bytes)
   room = _room(m, fraction)
   per_seq = full_context_pages(max_context, page_size, 1)
@@ -440,8 +448,8 @@ def kv_pages_for_memory(*, bytes_limit: int, bytes_in_use: int, workspace_bytes:
         "or serve a smaller model or dtype")
   if max_pages is not None:
     pages = min(pages, max_pages)
-  return pages if prefix_caching else min(pages, full_context_pages(max_context, page_size,
-                                                                    max_seqs))
+  worth = full_context_pages(max_context, page_size, max_seqs)
+  return min(pages, worth * (PREFIX_CACHE_PAGES_FACTOR if prefix_caching else 1))
 
 
 # ---- command-line flags (absl), one per field ----

@@ -40,8 +40,9 @@ def test_with_prefix_caching_the_pages_past_the_cap_keep_prefixes():
   """The cache keeps finished requests' pages for later hits: all the room is used, as in
   vLLM, not only what the running sequences could fill."""
   assert pages(0.9, prefix_caching=True) == 88_576
-  assert pages(0.9, max_seqs=8, max_context=100, prefix_caching=True) == 88_576
   assert pages(0.5, prefix_caching=True) == pages(0.5) == 47_616  # under the cap: the same
+  # A small model's cache: at most PREFIX_CACHE_PAGES_FACTOR times what its sequences use.
+  assert pages(0.9, max_seqs=8, max_context=100, prefix_caching=True) == 8 * 7 * 8
 
 
 def test_pages_round_down_to_whole_pages_and_bytes():
@@ -101,11 +102,17 @@ def test_the_startup_line_says_what_was_chosen_and_why():
       "capacity: 256 sequences, 47616 KV pages (0.5 of 100.0 GiB: weights 2.0 GiB, "
       "workspace 1.5 GiB, 46.5 GiB of KV); max_seqs=256, kv_pages=47616, "
       "kv_cache_memory_fraction=0.5, "), gpu.describe(MEM)
-  capped = dataclasses.replace(EngineConfig().resolved(32768, "gpu"), kv_pages=65_536)
+  capped = dataclasses.replace(EngineConfig(prefix_caching=False).resolved(32768, "gpu"),
+                               kv_pages=65_536)
   assert capped.describe(MEM).startswith(
       "capacity: 256 sequences, 65536 KV pages (0.9 of 100.0 GiB: weights 2.0 GiB, "
       "workspace 1.5 GiB, 64.0 GiB of KV; capped at max_context worth per sequence, room "
       "for 88576); "), capped.describe(MEM)
+  small = dataclasses.replace(EngineConfig(max_context=256).resolved(32768, "gpu"),
+                              kv_pages=32_768)
+  assert "; capped at 8x max_context worth per sequence, room for 88576; 28672 past " \
+         "max_context worth per sequence keep prefixes); " in small.describe(MEM), \
+         small.describe(MEM)
   kept = dataclasses.replace(EngineConfig().resolved(32768, "gpu"), kv_pages=88_576)
   assert kept.describe(MEM).startswith(
       "capacity: 256 sequences, 88576 KV pages (0.9 of 100.0 GiB: weights 2.0 GiB, "
