@@ -83,6 +83,9 @@ def define_flags() -> None:
                        "(default: max_model_len from GET /models, else 4096)")
   flags.DEFINE_integer("max_input_len", None, "also clip prompts to this many tokens")
   flags.DEFINE_integer("max_concurrency", None, "at most this many requests in flight")
+  flags.DEFINE_integer("client_procs", 1, "load-generator processes (an event loop each): one "
+                       "parses some 25-30k SSE events a second, about what blink-jax streams "
+                       "all at once on an H200; give them as many --client_cpus")
   flags.DEFINE_float("temperature", 0.0, "every request's temperature (0: greedy)")
   flags.DEFINE_float("top_p", None, "every request's top_p (default: not sent)")
   flags.DEFINE_integer("top_k", None, "every request's top_k (default: not sent; vLLM and "
@@ -700,24 +703,34 @@ async def send_one(session, url: str, headers: dict, model: str, req: Req, rec: 
     rec.error = f"{type(e).__name__}: {e}"[:200]
 
 
-async def run_rate(base_url: str, headers: dict, model: str, reqs: list[Req], rate: float,
-                   seed: int, max_concurrency: int | None, timeout_s: float,
-                   progress: bool = True, sampling: dict | None = None
-                   ) -> tuple[list[Record], float]:
+def arrival_offsets(reqs: list[Req], rate: float, seed: int) -> dict[int, float]:
+  """When each conversation's first turn is sent (seconds after the start; a later turn goes
+  when the one it follows has finished)."""
+  firsts = [i for i, r in enumerate(reqs) if r.follows is None]
+  return dict(zip(firsts, arrival_times(len(firsts), rate, np.random.default_rng(seed))))
+
+
+async def send_all(base_url: str, headers: dict, model: str, reqs: list[Req],
+                   offsets: dict[int, float], max_concurrency: int | None, timeout_s: float,
+                   progress: bool = False, sampling: dict | None = None, desc: str = "",
+                   start: float | None = None) -> tuple[list[Record], float]:
+  """Sends `reqs` at their offsets from one event loop; (records, seconds from the start to
+  the last answer). `start`: a time.monotonic() instant to count from (the processes of one
+  run share it); None: when the connection pool is open."""
   import aiohttp
   from tqdm import tqdm
 
-  firsts = [i for i, r in enumerate(reqs) if r.follows is None]  # conversations' first turns
-  offsets = dict(zip(firsts, arrival_times(len(firsts), rate, np.random.default_rng(seed))))
   done = [asyncio.Event() for _ in reqs]  # a later turn waits for the one it follows
   sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
   recs = [Record(r.input_len, r.max_tokens) for r in reqs]
-  bar = tqdm(total=len(reqs), desc=f"rate {rate:g}", disable=not progress, unit="req")
+  bar = tqdm(total=len(reqs), desc=desc, disable=not progress, unit="req")
   url = base_url.rstrip("/") + "/completions"
   conn = aiohttp.TCPConnector(limit=0, force_close=False)
   async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(
       total=timeout_s)) as session:
     t0 = time.perf_counter()
+    if start is not None:  # the shared instant on this process's perf_counter clock
+      t0 += start - time.monotonic()
 
     async def one(i):
       if reqs[i].follows is not None:
@@ -737,6 +750,88 @@ async def run_rate(base_url: str, headers: dict, model: str, reqs: list[Req], ra
     await asyncio.gather(*(one(i) for i in range(len(reqs))))
     duration = time.perf_counter() - t0
   bar.close()
+  return recs, duration
+
+
+async def run_rate(base_url: str, headers: dict, model: str, reqs: list[Req], rate: float,
+                   seed: int, max_concurrency: int | None, timeout_s: float,
+                   progress: bool = True, sampling: dict | None = None
+                   ) -> tuple[list[Record], float]:
+  return await send_all(base_url, headers, model, reqs, arrival_offsets(reqs, rate, seed),
+                        max_concurrency, timeout_s, progress, sampling, desc=f"rate {rate:g}")
+
+
+def _client_proc(conn, args: tuple) -> None:
+  """One load-generator process of `run_rate_procs`: says it is ready, takes the shared start
+  instant, sends its requests and returns its records as tuples (no class crosses)."""
+  base_url, headers, model, reqs, offsets, max_concurrency, timeout_s, sampling = args
+  reqs = [Req(*r) for r in reqs]
+  asyncio.run(server_info(base_url, headers))  # imports and first connection before the start
+  conn.send("ready")
+  start = conn.recv()
+  recs, duration = asyncio.run(send_all(base_url, headers, model, reqs, offsets,
+                                        max_concurrency, timeout_s, sampling=sampling,
+                                        start=start))
+  conn.send(([dataclasses.astuple(r) for r in recs], duration))
+  conn.close()
+
+
+def run_rate_procs(base_url: str, headers: dict, model: str, reqs: list[Req], rate: float,
+                   seed: int, max_concurrency: int | None, timeout_s: float, procs: int = 1,
+                   progress: bool = True, sampling: dict | None = None
+                   ) -> tuple[list[Record], float]:
+  """run_rate from `procs` processes (one event loop each, on the cores this one may use):
+  one Python event loop parses some 25-30k SSE events a second, about what blink-jax
+  streams all at once on an H200, so one loop would be part of what it measures. The
+  arrival times are drawn once, as for one process; each conversation stays in one
+  process; --max_concurrency is split evenly. The processes start together at one instant
+  once all are ready; the duration runs from it to the last answer of any."""
+  if procs <= 1:
+    return asyncio.run(run_rate(base_url, headers, model, reqs, rate, seed, max_concurrency,
+                                timeout_s, progress, sampling))
+  import multiprocessing as mp
+  offsets = arrival_offsets(reqs, rate, seed)
+  root = []
+  for i, r in enumerate(reqs):
+    root.append(i if r.follows is None else root[r.follows])
+  groups: list[list[int]] = [[] for _ in range(procs)]
+  order = {c: k for k, c in enumerate(dict.fromkeys(root))}
+  for i in range(len(reqs)):
+    groups[order[root[i]] % procs].append(i)
+  conc = -(-max_concurrency // procs) if max_concurrency else None
+  ctx = mp.get_context("spawn")  # no fork of a process with threads (the power sampler)
+  children = []
+  for idx in (g for g in groups if g):
+    local = {i: k for k, i in enumerate(idx)}
+    sub = [(reqs[i].prompt, reqs[i].input_len, reqs[i].max_tokens,
+            local[reqs[i].follows] if reqs[i].follows is not None else None) for i in idx]
+    args = (base_url, headers, model, sub, {local[i]: offsets[i] for i in idx if i in offsets},
+            conc, timeout_s, sampling)
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_client_proc, args=(child, args), daemon=True)
+    proc.start()
+    children.append((idx, parent, proc))
+  try:
+    for _, parent, _ in children:
+      if parent.recv() != "ready":
+        raise RuntimeError("a load-generator process did not start")
+    start = time.monotonic() + 0.05
+    for _, parent, _ in children:
+      parent.send(start)
+    recs: list[Record | None] = [None] * len(reqs)
+    duration = 0.0
+    for idx, parent, _ in children:
+      rows, d = parent.recv()
+      duration = max(duration, d)
+      for i, row in zip(idx, rows):
+        recs[i] = Record(*row)
+  finally:
+    for _, _, proc in children:
+      proc.join(10)
+      if proc.is_alive():
+        proc.kill()
+  if progress:
+    print(f"rate {rate:g}: {len(reqs)} requests from {len(children)} processes")
   return recs, duration
 
 
@@ -861,9 +956,9 @@ def warm_cache(headers: dict, model: str, max_context: int) -> dict:
                              fmt=FLAGS.prompt_format, vocab_size=FLAGS.vocab_size,
                              max_context=max_context)
   print(f"warming the cache: {len(reqs)} prompts of {reqs[0].input_len} tokens")
-  recs, duration = asyncio.run(run_rate(FLAGS.base_url, headers, model, reqs, float("inf"),
-                                        FLAGS.seed, FLAGS.max_concurrency or 256,
-                                        FLAGS.request_timeout_s, progress=False))
+  recs, duration = run_rate_procs(FLAGS.base_url, headers, model, reqs, float("inf"),
+                                 FLAGS.seed, FLAGS.max_concurrency or 256,
+                                 FLAGS.request_timeout_s, FLAGS.client_procs, progress=False)
   failed = [r.error for r in recs if not r.ok]
   if failed:
     raise RuntimeError(f"{len(failed)} of {len(recs)} cache-warming requests failed, e.g. "
@@ -957,9 +1052,10 @@ def main(argv):
       idle = sampler.result(0)
     for k, rate in enumerate(rates):
       with sampler, cpu, counters:
-        recs, duration = asyncio.run(run_rate(
+        recs, duration = run_rate_procs(
             FLAGS.base_url, headers, model, sets[k], rate, FLAGS.seed + 1000 * (k + 1),
-            FLAGS.max_concurrency, FLAGS.request_timeout_s, sampling=sampling))
+            FLAGS.max_concurrency, FLAGS.request_timeout_s, FLAGS.client_procs,
+            sampling=sampling)
       m = compute_metrics(recs, duration, FLAGS.slo_ttft_ms, FLAGS.slo_tpot_ms)
       m.update(sampler.result(m["output_tokens"]))
       m.update(cpu.result(m["output_tokens"]))
@@ -984,6 +1080,7 @@ def main(argv):
            "num_prompts": FLAGS.num_prompts, "shared_prefix_len": FLAGS.shared_prefix_len,
            "multi_turn": FLAGS.multi_turn, "fresh_prompts": FLAGS.fresh_prompts,
            "max_concurrency": FLAGS.max_concurrency, "sampling": sampling,
+           "client_procs": FLAGS.client_procs,
            "interference": FLAGS.interference,
            "frontend_cpus": frontend_cpus or None, "client_cpus": client_cpus or None,
            "interference_cpus": (interference_cpus if frontend_cpus else "all")

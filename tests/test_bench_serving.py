@@ -514,3 +514,27 @@ def test_warm_cache_runs_before_the_first_rate(tmp_path, tokenizer_path):
   doc = json.loads(out.read_text())
   assert doc["warm_cache"]["requests"] == 3 and doc["warm_cache"]["prompt_tokens"] == 120
   assert doc["results"][0]["completed"] == 4
+
+
+def test_client_procs_send_every_request_on_the_schedule_of_one(server, tmp_path):
+  """--client_procs 2: the same requests as one process sends (every conversation in one
+  process, its turns in order), arrivals on one shared clock, all answered."""
+  base_url, dc = server
+  docs = {}
+  for procs in (1, 2):
+    out = tmp_path / f"procs{procs}.json"
+    _run_tool("--base-url", base_url, "--api-key", API_KEY, "--num-prompts", "8", "--rates",
+              "50", "--vocab-size", str(dc.vocab_size), "--input-len", "8", "--max-tokens",
+              "3", "--multi-turn", "2", "--client-procs", str(procs), "--no-plot", "--out",
+              str(out))
+    docs[procs] = json.loads(out.read_text())
+  one, two = (docs[p]["requests"]["50.0"] for p in (1, 2))
+  assert docs[2]["client_procs"] == 2 and docs[2]["results"][0]["completed"] == 8
+  assert [r["input_len"] for r in one] == [r["input_len"] for r in two]
+  assert all(r["ok"] for r in two)
+  for k in range(0, 8, 2):  # a turn starts after the turn before it has ended
+    assert two[k + 1]["start_s"] >= two[k]["start_s"] + two[k]["e2e_s"]
+  # First turns leave at the drawn arrival times (rate 50: tens of ms apart) from either
+  # process, never before them (one process's starts are the schedule, within a few ms).
+  firsts = [(a["start_s"], b["start_s"]) for a, b in zip(one[::2], two[::2])]
+  assert all(a - 0.01 <= b <= a + 0.5 for a, b in firsts), firsts
