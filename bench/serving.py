@@ -810,6 +810,7 @@ def run_rate_procs(base_url: str, headers: dict, model: str, reqs: list[Req], ra
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_client_proc, args=(child, args), daemon=True)
     proc.start()
+    child.close()  # only the process holds it now: if it dies, recv() here ends with EOFError
     children.append((idx, parent, proc))
   try:
     for _, parent, _ in children:

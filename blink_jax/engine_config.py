@@ -447,6 +447,10 @@ def kv_pages_for_memory(*, bytes_limit: int, bytes_in_use: int, workspace_bytes:
         f"({_gib(per_seq * page_bytes)}). Raise kv_cache_memory_fraction, lower max_context "
         "or serve a smaller model or dtype")
   if max_pages is not None:
+    if max_pages < per_seq:
+      raise ValueError(f"one sequence of max_context={max_context} needs {per_seq} KV pages, "
+                       f"more than the {max_pages} a layer's cache may have (the kernels' "
+                       "32-bit offsets): lower max_context or raise page_size")
     pages = min(pages, max_pages)
   worth = full_context_pages(max_context, page_size, max_seqs)
   return min(pages, worth * (PREFIX_CACHE_PAGES_FACTOR if prefix_caching else 1))

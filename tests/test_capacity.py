@@ -162,6 +162,8 @@ def test_a_layers_cache_stays_within_32_bit_offsets():
   assert max_kv_pages(get_config("gemma3-27b"), 16) == 32_767
   assert pages(0.9, prefix_caching=True, max_pages=50_000) == 50_000
   assert pages(0.9, prefix_caching=False, max_pages=70_000) == 65_536  # the other cap first
+  with pytest.raises(ValueError, match="max_context=4096 needs 256 KV pages, more than the 255"):
+    pages(0.9, max_pages=255)
   Engine, eng = _engine({"bytes_limit": 100 * GiB, "bytes_in_use": 2 * GiB})
   eng.executor.max_pages = 50_000
   memory = Engine._size_kv_cache(eng)
