@@ -462,28 +462,33 @@ def test_goodput_recomputed_from_saved_requests():
     assert (got["slo_ttft_ms"], got["slo_tpot_ms"]) == slo
 
 
-def test_sampling_flags_reach_every_request(tmp_path, tokenizer_path):
-  """--temperature / --top_p / --top_k are sent with every request (as `vllm bench serve`'s
-  flags are) and recorded in the result."""
+def _four_requests(tmp_path, tokenizer_path, *args) -> tuple[dict, list[dict]]:
+  """bench.serving sends 4 requests (8 prompt tokens, 3 out, all at once, and `args`) to a
+  worker over a recording fake device: (the result, the requests the device saw)."""
   with FD.running_device(tokenizer_path) as fake:
     proc, port, log = _start_worker(tmp_path, tokenizer_path,
                                     ["--transport", "shm", "--shm-name", fake.region.name],
                                     {"BLINK_API_KEY": API_KEY})
     try:
-      out = tmp_path / "sampled.json"
+      out = tmp_path / "four.json"
       _run_tool("--base-url", f"http://127.0.0.1:{port}/v1", "--api-key", API_KEY,
                 "--num-prompts", "4", "--rates", "inf", "--vocab-size",
                 str(fake.device.dc.vocab_size), "--input-len", "8", "--max-tokens", "3",
-                "--temperature", "0.7", "--top-p", "0.9", "--top-k", "40", "--no-plot",
-                "--out", str(out))
+                "--no-plot", "--out", str(out), *args)
     finally:
       FD.terminate(proc)
-    got = fake.device.find_requests(top_k=40)
-    assert len(got) == 4 and len(fake.device.requests) == 4
-    assert all(abs(r["temperature"] - 0.7) < 1e-6 and abs(r["top_p"] - 0.9) < 1e-6
-               for r in got)
-  assert json.loads(out.read_text())["sampling"] == {"temperature": 0.7, "top_p": 0.9,
-                                                     "top_k": 40}
+    return json.loads(out.read_text()), fake.device.requests
+
+
+def test_sampling_flags_reach_every_request(tmp_path, tokenizer_path):
+  """--temperature / --top_p / --top_k are sent with every request (as `vllm bench serve`'s
+  flags are) and recorded in the result."""
+  doc, seen = _four_requests(tmp_path, tokenizer_path, "--temperature", "0.7", "--top-p",
+                             "0.9", "--top-k", "40")
+  assert len(seen) == 4 and all(r["top_k"] == 40 for r in seen)
+  assert all(abs(r["temperature"] - 0.7) < 1e-6 and abs(r["top_p"] - 0.9) < 1e-6
+             for r in seen)
+  assert doc["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 40}
 
 
 def test_warm_cache_requests_are_their_own_prompts():
@@ -496,22 +501,9 @@ def test_warm_cache_requests_are_their_own_prompts():
 
 def test_warm_cache_runs_before_the_first_rate(tmp_path, tokenizer_path):
   """--warm_cache_tokens sends its one-token prompts first, all of them, then the rates."""
-  with FD.running_device(tokenizer_path) as fake:
-    proc, port, log = _start_worker(tmp_path, tokenizer_path,
-                                    ["--transport", "shm", "--shm-name", fake.region.name],
-                                    {"BLINK_API_KEY": API_KEY})
-    try:
-      out = tmp_path / "warm.json"
-      _run_tool("--base-url", f"http://127.0.0.1:{port}/v1", "--api-key", API_KEY,
-                "--num-prompts", "4", "--rates", "inf", "--vocab-size",
-                str(fake.device.dc.vocab_size), "--input-len", "8", "--max-tokens", "3",
-                "--warm-cache-tokens", "100", "--warm-cache-prompt-len", "40", "--no-plot",
-                "--out", str(out))
-    finally:
-      FD.terminate(proc)
-    seen = [r["prompt_len"] for r in fake.device.requests]
-  assert seen == [40] * 3 + [8] * 4, seen
-  doc = json.loads(out.read_text())
+  doc, seen = _four_requests(tmp_path, tokenizer_path, "--warm-cache-tokens", "100",
+                             "--warm-cache-prompt-len", "40")
+  assert [r["prompt_len"] for r in seen] == [40] * 3 + [8] * 4, seen
   assert doc["warm_cache"]["requests"] == 3 and doc["warm_cache"]["prompt_tokens"] == 120
   assert doc["results"][0]["completed"] == 4
 
