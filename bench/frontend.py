@@ -34,6 +34,8 @@ FLAGS = flags.FLAGS
 def define_flags():
   flags.DEFINE_list("workers", ["1", "2"], "frontend worker counts to compare")
   flags.DEFINE_integer("streams", 256, "concurrent streaming requests (all sent at once)")
+  flags.DEFINE_integer("lanes", 0, "the fake device's max_seqs (0: --streams): fewer lanes "
+                       "than streams queue the rest on the device, as in a burst")
   flags.DEFINE_integer("output_len", 200, "tokens per request (the fake device's context is "
                        "256)")
   flags.DEFINE_integer("input_len", 16, "prompt tokens per request")
@@ -50,7 +52,8 @@ def define_flags():
 
 
 @contextlib.contextmanager
-def fake_server(workers: int, streams: int, step_ms: float, tmp: pathlib.Path):
+def fake_server(workers: int, streams: int, step_ms: float, tmp: pathlib.Path,
+                lanes: int = 0):
   """serve.py over the fake device with `workers` frontend workers; yields (port, pid)."""
   from tests import fake_device as FD
   tok = pathlib.Path(FLAGS.tokenizer) if FLAGS.tokenizer else FD.tiny_tokenizer(tmp / "tok")
@@ -58,7 +61,8 @@ def fake_server(workers: int, streams: int, step_ms: float, tmp: pathlib.Path):
   info.unlink(missing_ok=True)
   cmd = [sys.executable, "-c", "import sys; from tests.fake_device import fake_serve; "
          "fake_serve(sys.argv)", "--ckpt", "fake", "--tokenizer", str(tok), "--port", str(port),
-         "--fake_info_file", str(info), "--workers", str(workers), "--max_seqs", str(streams),
+         "--fake_info_file", str(info), "--workers", str(workers),
+         "--max_seqs", str(lanes or streams),
          "--num_slots", str(2 * streams), "--engine_stall_s", "0",
          "--fake_step_delay_s", str(step_ms / 1e3)]
   env = {k: v for k, v in os.environ.items() if k != "BLINK_API_KEY"}
@@ -98,7 +102,8 @@ def main(argv):
   with tempfile.TemporaryDirectory() as tmp:
     for rep in range(FLAGS.repeats):
       for w in counts:  # alternated: 1 2 1 2 ...
-        with fake_server(w, FLAGS.streams, FLAGS.step_ms, pathlib.Path(tmp)) as (port, pid):
+        with fake_server(w, FLAGS.streams, FLAGS.step_ms, pathlib.Path(tmp),
+                         FLAGS.lanes) as (port, pid):
           one_run(port, pid, 8, FLAGS.input_len, 8, 99)  # connections and caches warm
           r = one_run(port, pid, FLAGS.streams, FLAGS.input_len, FLAGS.output_len, rep,
                       FLAGS.client_procs)
@@ -115,7 +120,8 @@ def main(argv):
     row["failed"] = sum(r["failed"] for r in runs[w])
     rows.append(row)
   C.write_result(FLAGS.out, "frontend", rows, {
-      "host_cpu": C.cpu_model(), "streams": FLAGS.streams, "step_ms": FLAGS.step_ms,
+      "host_cpu": C.cpu_model(), "streams": FLAGS.streams, "lanes": FLAGS.lanes or FLAGS.streams,
+      "step_ms": FLAGS.step_ms,
       "input_len": FLAGS.input_len,
       "output_len": FLAGS.output_len, "load_generator_cpus": sorted(os.sched_getaffinity(0)),
       "client_procs": FLAGS.client_procs,
