@@ -11,6 +11,8 @@
 #        [CROSSCHECK="vllm persistent" CROSSCHECK_RATE=16] [SINGLE=1] [INTERFERENCE=1]
 #        [BURST=1000 (after the sweeps, that many requests at once: <run>_n<BURST>_quiet)]
 #        [TAG=name (a variant: results serving_h200_<shape>_<mode>_<TAG>_<run>.json)]
+#        [MAX_CONTEXT=2048 (empty: blink-jax without --max_context, the load generator then
+#         clipping to the server's own, as a new user runs it: MAX_CONTEXT= TAG=defaults)]
 #        OUT=dir bash bench/serving_suite.sh
 # Per server also: CROSSCHECK (modes): `vllm bench serve` beside bench.serving at one rate
 # (bench/crosscheck.py, needs the vLLM install); SINGLE=1: single-stream decode, one request
@@ -45,6 +47,7 @@ PEER_DIR=${PEER_DIR:-.carry/peer}
 VLLM_SITE=${VLLM_SITE:-/tmp/vllm/site}  # bench/vllm_install.sh unpacks it there
 VLLM_PATH=$VLLM_SITE
 CROSSCHECK=${CROSSCHECK-vllm persistent}  # set and empty: none
+MAX_CONTEXT=${MAX_CONTEXT-2048}  # set and empty: the server's default context
 SERVER_INFO="" SRV=""
 pack() {  # one archive (the device returns a limited number of files), refreshed after each run
   tar czf "$OUT/serving_results.tgz" $(ls bench/results/serving_h200_* \
@@ -53,7 +56,8 @@ pack() {  # one archive (the device returns a limited number of files), refreshe
 bench() {  # label, port, interference, frontend cpus (empty: unpinned), [more bench.serving flags]
   python3 -m bench.serving --base_url "http://127.0.0.1:$2/v1" --num_prompts "$N" \
     ${SERVER_INFO:+--server_info "$SERVER_INFO"} --server_pid "$SRV" \
-    --rates "$RATES" --max_context 2048 --max_input_len 1024 --interference "$3" \
+    --rates "$RATES" ${MAX_CONTEXT:+--max_context "$MAX_CONTEXT" --max_input_len 1024} \
+    --interference "$3" \
     --slo_ttft_ms "$SLO_TTFT_MS" --slo_tpot_ms "$SLO_TPOT_MS" \
     --frontend_cpus "$4" ${4:+--client_cpus "$CLIENT"} --label "$1" --noplot \
     --out "bench/results/serving_h200_$1.json" ${BENCH_ARGS:-} "${@:5}" 2>&1 \
@@ -86,7 +90,7 @@ for shape in $SHAPES; do
       # `taskset -p` would pin their main threads only: PERFORMANCE.md, "Frontend cores").
       taskset -c "$ENGINE_CPUS" python3 scripts/serve.py --ckpt "random:$shape" \
         --tokenizer "$TOKENIZER" --mode "$mode" --port "$port" --frontend_cpus "$FRONT" \
-        --max_context 2048 ${SERVE_ARGS:-} >"$log" 2>&1 &
+        ${MAX_CONTEXT:+--max_context "$MAX_CONTEXT"} ${SERVE_ARGS:-} >"$log" 2>&1 &
       kind=blink
     fi
     srv=$! SRV=$!
