@@ -19,10 +19,13 @@ Engine metrics, read from the mailbox header at scrape time (published by the GP
 """
 from __future__ import annotations
 
+import contextlib
+import glob
+import os
 from typing import Callable
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
-                               Histogram, generate_latest)
+                               Histogram, generate_latest, multiprocess)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from blink_jax import env
@@ -96,6 +99,27 @@ class HeaderCollector:
       yield g
 
 
+class _WorkersCollector(multiprocess.MultiProcessCollector):
+  """prometheus-client's multiprocess collector, less the files of a worker that is still
+  starting: a process creates its file empty and sizes it a moment later, and a scrape that
+  read it in between failed with a struct.error, a 500 from a sibling worker's /metrics
+  while another (re)started. A file removed under the scrape (a dead worker's, cleaned up)
+  gets the same treatment: the scrape reads the directory again."""
+
+  def collect(self):
+    for attempt in range(3):
+      files = []
+      for f in glob.glob(os.path.join(self._path, "*.db")):
+        with contextlib.suppress(OSError):
+          if os.path.getsize(f) > 0:
+            files.append(f)
+      try:
+        return self.merge(files, accumulate=True)
+      except FileNotFoundError:
+        if attempt == 2:
+          raise
+
+
 class FrontendMetrics:
   """The metrics of one frontend worker; `render()` is the /metrics body."""
 
@@ -106,10 +130,9 @@ class FrontendMetrics:
         env.PROMETHEUS_MULTIPROC_DIR)
     self.multiprocess = bool(mp_dir)
     if self.multiprocess:
-      from prometheus_client import multiprocess
       own = None  # values live in the directory's files; exposition merges every worker's
       self.registry = CollectorRegistry()
-      multiprocess.MultiProcessCollector(self.registry, path=mp_dir)
+      _WorkersCollector(self.registry, path=mp_dir)
       gauge_kw = {"multiprocess_mode": "livesum"}
     else:
       own = self.registry = CollectorRegistry()
