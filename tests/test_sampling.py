@@ -167,7 +167,6 @@ def test_argmax_is_jnp_argmax(seed, vocab):
   assert ((0 <= (got := np.asarray(_argmax_jit(jnp.asarray(x))))) & (got < vocab)).all()
 
 
-
 def test_sampler_lowered_for_cuda_has_nothing_a_cuda_graph_loop_cannot_hold():
   """The whole sampler (greedy, filters, draw, logprobs) exported for CUDA: no sort (a CUB
   call), no cumulative sum (a reduce_window or scan, which XLA may make a CUB scan), no

@@ -401,7 +401,7 @@ class MailboxClient:
     workers"). The pick is a hint like the progress counters: `poll` itself reads in the
     protocol's order, and a slot passed over has its news at the next sweep."""
     slots = list(slots)
-    if self._counts is not None and len(slots) > 8:
+    if self._counts is not None and len(slots) > 8:  # a handful: polling them costs as little
       idx = np.fromiter(slots, np.int64, len(slots))
       read = np.fromiter((self._read[s] for s in slots), np.uint32, len(slots))
       seq = np.fromiter((self._seq[s] for s in slots), np.uint32, len(slots))
