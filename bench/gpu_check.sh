@@ -34,7 +34,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-/tmp/blink_gpu_out}
-DEV=${DEV:-h200}   # results' file suffix
+# The results' file suffix: the card's model (h200, h100), from nvidia-smi.
+DEV=${DEV:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
+  grep -oiE 'h100|h200|a100|b200' | tr 'A-Z' 'a-z')}
+DEV=${DEV:-gpu}
+export DEV
 TAIL=${TAIL:-30}
 mkdir -p "$OUT"
 # A call that carries .carry_xz/tokenizer.model.xz (1.7 MB, beside a vLLM part) instead of

@@ -10,7 +10,7 @@
 #        [PEER_DIR=.carry/peer VLLM_SITE=/tmp/vllm/site VLLM_ARGS="..."]
 #        [CROSSCHECK="vllm persistent" CROSSCHECK_RATE=16] [SINGLE=1] [INTERFERENCE=1]
 #        [BURST=1000 (after the sweeps, that many requests at once: <run>_n<BURST>_quiet)]
-#        [TAG=name (a variant: results serving_h200_<shape>_<mode>_<TAG>_<run>.json)]
+#        [TAG=name (a variant: results serving_$DEV_<shape>_<mode>_<TAG>_<run>.json)]
 #        [MAX_CONTEXT=2048 (empty: blink-jax without --max_context, the load generator then
 #         clipping to the server's own, as a new user runs it: MAX_CONTEXT= TAG=defaults)]
 #        OUT=dir bash bench/serving_suite.sh
@@ -35,6 +35,7 @@ SLO_TTFT_MS=${SLO_TTFT_MS:-1000}
 SLO_TPOT_MS=${SLO_TPOT_MS:-10}
 UNPINNED=${UNPINNED-gemma3-1b:persistent}  # empty: none
 OUT=${OUT:-/tmp/blink_serving}
+DEV=${DEV:-h200}  # the results' file suffix (bench/gpu_check.sh sets it from the card)
 mkdir -p "$OUT"
 NCPU=$(nproc)
 FRONT=0,1                       # the frontend's cores (a SmartNIC's, out of the host's reach)
@@ -50,8 +51,8 @@ CROSSCHECK=${CROSSCHECK-vllm persistent}  # set and empty: none
 MAX_CONTEXT=${MAX_CONTEXT-2048}  # set and empty: the server's default context
 SERVER_INFO="" SRV=""
 pack() {  # one archive (the device returns a limited number of files), refreshed after each run
-  tar czf "$OUT/serving_results.tgz" $(ls bench/results/serving_h200_* \
-    bench/results/crosscheck_h200_* 2>/dev/null)
+  tar czf "$OUT/serving_results.tgz" $(ls bench/results/serving_${DEV}_* \
+    bench/results/crosscheck_${DEV}_* 2>/dev/null)
 }
 bench() {  # label, port, interference, frontend cpus (empty: unpinned), [more bench.serving flags]
   python3 -m bench.serving --base_url "http://127.0.0.1:$2/v1" --num_prompts "$N" \
@@ -60,7 +61,7 @@ bench() {  # label, port, interference, frontend cpus (empty: unpinned), [more b
     --interference "$3" \
     --slo_ttft_ms "$SLO_TTFT_MS" --slo_tpot_ms "$SLO_TPOT_MS" \
     --frontend_cpus "$4" ${4:+--client_cpus "$CLIENT"} --label "$1" --noplot \
-    --out "bench/results/serving_h200_$1.json" ${BENCH_ARGS:-} "${@:5}" 2>&1 \
+    --out "bench/results/serving_${DEV}_$1.json" ${BENCH_ARGS:-} "${@:5}" 2>&1 \
     | grep -v "^[IW]1" | tail -6
   pack
 }
@@ -124,7 +125,7 @@ for shape in $SHAPES; do
       taskset -c "$CLIENT" python3 -m bench.crosscheck --base_url "http://127.0.0.1:$port/v1" \
         --tokenizer "$PEER_DIR/tokenizer" --vllm_path "$VLLM_PATH" \
         --rate "${CROSSCHECK_RATE:-16}" --num_prompts "$N" --label "${shape}_${mode}" \
-        --out "bench/results/crosscheck_h200_${shape}_${mode}.json" 2>&1 | grep -v "^[IW]1" | tail -22
+        --out "bench/results/crosscheck_${DEV}_${shape}_${mode}.json" 2>&1 | grep -v "^[IW]1" | tail -22
       pack
     fi
     if [[ " $UNPINNED " == *" $shape:$mode "* ]]; then
