@@ -333,7 +333,7 @@ def init_parser_process(tokenizer_model: bytes, parent: int | None = None) -> No
 
   threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
   _PROCESS_TOKENIZER = Tokenizer(tokenizer_model)
-  _PROCESS_TOKENIZER.max_piece_bytes  # computed once, now
+  _PROCESS_TOKENIZER.warm_up()
 
 
 def parse_in_process(raw: bytes, kind: str, limits: "Limits") -> "GenRequest":

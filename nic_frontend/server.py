@@ -241,7 +241,8 @@ class Frontend:
     self.draining = False
     self._handlers_in_flight = 0
     self._idle = asyncio.Event()
-    getattr(tokenizer, "max_piece_bytes", None)  # computed now, not on a first request
+    if hasattr(tokenizer, "warm_up"):
+      tokenizer.warm_up()  # now, not while the first requests wait
     self._parser = _ParserPool(tokenizer, config.parse_processes)
     self._loop_errors = _LoopErrors(config.accept_error_log_s)
 

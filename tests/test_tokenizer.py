@@ -285,6 +285,21 @@ def test_surfaces_are_those_of_normal_pieces(tokenizer):
     assert tokenizer.surface(i) == "", i
 
 
+def test_warm_up_leaves_the_first_surface_nothing_to_parse(tokenizer, monkeypatch):
+  """A frontend warms its tokenizer at startup: the model's fields are parsed then (0.1 s
+  for Gemma's vocabulary, which the first streamed token of a fresh server had waited for),
+  once for max_piece_bytes and surface both."""
+  fresh = Tokenizer(tokenizer.sp.serialized_model_proto())
+  parsed = []
+  real = tk._model_spec
+  monkeypatch.setattr(tk, "_model_spec", lambda proto: parsed.append(1) or real(proto))
+  fresh.warm_up()
+  assert len(parsed) == 1
+  hello = fresh.sp.piece_to_id("\u2581Hello")
+  assert fresh.surface(hello) == " Hello" and fresh.max_piece_bytes == tokenizer.max_piece_bytes
+  assert len(parsed) == 1
+
+
 def test_built_model_small():
   """A hand-made vocabulary: BPE merges by score, byte fallback for unknown characters,
   whitespace kept as is (no dummy prefix, no collapsing), user-defined pieces matched whole."""
