@@ -294,6 +294,7 @@ done
 if [[ ${PACK:-1} != 0 ]]; then
   (cd "$OUT" && compgen -G "*.json" >/dev/null && tar czf results.tgz --remove-files *.json)
   (cd "$OUT" && compgen -G "*.out.txt" >/dev/null &&
-    tar czf logs.tgz --remove-files *.out.txt $(ls build_ab_*.txt tests.txt 2>/dev/null))
+    tar czf logs.tgz --remove-files *.out.txt $(ls build_ab_*.txt tests.txt serve_*.log \
+      2>/dev/null))
 fi
 log "done"

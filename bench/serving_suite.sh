@@ -50,9 +50,11 @@ VLLM_PATH=$VLLM_SITE
 CROSSCHECK=${CROSSCHECK-vllm persistent}  # set and empty: none
 MAX_CONTEXT=${MAX_CONTEXT-2048}  # set and empty: the server's default context
 SERVER_INFO="" SRV=""
-pack() {  # one archive (the device returns a limited number of files), refreshed after each run
-  tar czf "$OUT/serving_results.tgz" $(ls bench/results/serving_${DEV}_* \
-    bench/results/crosscheck_${DEV}_* 2>/dev/null)
+touch "$OUT/.suite_start"
+pack() {  # one archive of this suite's results (the device returns a limited number of files),
+  # refreshed after each run
+  tar czf "$OUT/serving_results.tgz" $(find bench/results -maxdepth 1 -newer "$OUT/.suite_start" \
+    \( -name "serving_${DEV}_*" -o -name "crosscheck_${DEV}_*" \) 2>/dev/null)
 }
 bench() {  # label, port, interference, frontend cpus (empty: unpinned), [more bench.serving flags]
   python3 -m bench.serving --base_url "http://127.0.0.1:$2/v1" --num_prompts "$N" \
