@@ -26,17 +26,21 @@ def _search(lo, hi, ok_at, ways: int):
 
   Sorting the vocabulary would be the obvious way, but XLA runs large sorts as a CUB custom
   call that cannot live in a CUDA-graph loop. Each pass tests `ways` thresholds spread over
-  the interval (`ok_at(ts)`: ts [rows, ways] -> bool [rows, ways], one fused reduction over
-  the [rows, vocab] logits) and narrows it (ways + 1)-fold, as finely in all as 32 halvings:
-  1 way is 32 passes of one comparison per logit, 15 ways 8 passes of 15. A CPU is bound by
-  the comparisons; a GPU may be bound by the passes over memory instead (bench.sampling
-  --search_ways measures both; docs/ARCHITECTURE.md, "Sampling").
+  the interval (`ok_at(t)`: t [rows] -> bool [rows], a reduction over the [rows, vocab]
+  logits) and narrows it (ways + 1)-fold, as finely in all as 32 halvings: 1 way is 32
+  passes of one comparison per logit, 15 ways 8 passes of 15. A CPU is bound by the
+  comparisons; a GPU by the passes over memory (docs/PERFORMANCE.md, "Sampling"). A pass's
+  thresholds are reduced separately, as sibling reductions of the same logits, which a GPU
+  compiler can fuse into one read of them (one reduction over a [rows, ways, vocab]
+  broadcast read the logits once per threshold on the H200); bench.sampling --search_ways
+  measures it.
   """
   passes = math.ceil(32 / math.log2(ways + 1))
   frac = jnp.arange(1, ways + 1, dtype=jnp.float32) / (ways + 1)
   for _ in range(passes):
     ts = lo[:, None] + (hi - lo)[:, None] * frac  # non-decreasing along each row
-    n = jnp.sum(ok_at(ts), axis=-1)  # ok holds for the first n thresholds
+    # ok holds for the first n thresholds
+    n = sum(ok_at(ts[:, w]).astype(jnp.int32) for w in range(ways))
     below = jnp.take_along_axis(ts, jnp.maximum(n - 1, 0)[:, None], axis=-1)[:, 0]
     above = jnp.take_along_axis(ts, jnp.minimum(n, ways - 1)[:, None], axis=-1)[:, 0]
     lo, hi = jnp.where(n > 0, below, lo), jnp.where(n < ways, above, hi)
@@ -60,16 +64,15 @@ def _filtered(logits, temperature, top_k, top_p, ways: int = 1):
 
   def kth():  # the k-th largest value: the largest t with count(x >= t) >= k
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab).astype(jnp.float32)
-    t = _search(lo, hi, lambda ts: jnp.sum(
-        (x[:, None, :] >= ts[:, :, None]).astype(jnp.float32), axis=-1) >= k[:, None], ways)
+    t = _search(lo, hi, lambda t: jnp.sum((x >= t[:, None]).astype(jnp.float32), axis=-1)
+                >= k, ways)
     return jnp.where(top_k > 0, t, -jnp.inf)
 
   def pth():  # the largest t with mass(x >= t) >= p, in units of x (mass relative to the top)
     e = jnp.exp(x - hi[:, None])
     need = jnp.sum(e, axis=-1) * top_p
-    t = _search(lo, hi, lambda ts: jnp.sum(
-        jnp.where(x[:, None, :] >= ts[:, :, None], e[:, None, :], 0.0), axis=-1)
-        >= need[:, None], ways)
+    t = _search(lo, hi, lambda t: jnp.sum(jnp.where(x >= t[:, None], e, 0.0), axis=-1)
+                >= need, ways)
     return jnp.where(top_p < 1.0, t, -jnp.inf)  # p = 1: no rounding losses
 
   t = jnp.maximum(lax.cond(jnp.any(top_k > 0), kth, lambda: none),
