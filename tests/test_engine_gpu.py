@@ -81,7 +81,8 @@ def test_gpu_prefill_kernel_tokens_equal_cpu_tokens():
 
 def test_gpu_gemv_partial_sums_tokens_equal_cpu_tokens():
   # Small steps through the CUDA GEMV for all four projections (its jnp stand-in on the
-  # CPU), whose output and down partial sums the add + norm kernel adds up.
+  # CPU), whose output and down partial sums the add + norm kernel adds up, and the q/k/v
+  # ones the q/k prepare kernel.
   outs = _tiny_engine_tokens_on_cpu_and_gpu(model_seed=6, prompt_seed=5,
                                             gemv="qkv+out+down+gate_up")
   assert outs["cpu"] == outs["gpu"]

@@ -130,6 +130,22 @@ def test_prepare_bf16_rounds_like_the_reference():
   _check_prepare(case, atol=2e-2, query_rows=16)
 
 
+@pytest.mark.parametrize("dtype,atol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("splits", [1, 3, 16])
+def test_prepare_adds_up_partial_sums(dtype, atol, splits):
+  """The q/k/v projection as the CUDA GEMV's float32 partial sums [S, T, W]: added up and
+  rounded to the cache's dtype, then as the projection itself (the reference adds them up
+  with XLA)."""
+  rng = np.random.default_rng(7 + splits)
+  (qkv, *rest), (kv_pages, slots), heads = _prepare_case(rng, 3, 4, 1, 64, dtype)
+  parts = jnp.asarray(rng.standard_normal((splits, *qkv.shape)), jnp.float32)
+  case = ((parts, *rest), (kv_pages, slots), heads)
+  _check_prepare(case, atol=atol, query_rows=16)
+  _check_prepare(case, atol=atol)
+  with pytest.raises(ValueError, match="partial sums"):
+    prepare_qkv(parts.astype(jnp.bfloat16), *rest, 1e-6, kv_pages, slots, **heads)
+
+
 def test_grouped_query_feeds_the_pallas_attention():
   # The grouped, padded query gives the attention the same result as the plain one.
   rng = np.random.default_rng(6)
@@ -161,6 +177,12 @@ def test_prepare_lowers_to_one_triton_kernel_for_cuda():
   assert "stablehlo.while" not in text
   # The cache is written in place: the kernel's second output is its last operand.
   assert "output_operand_alias<output_tuple_indices = [1], operand_index = 6," in text
+  # The GEMV's 16 partial sums go in as they are: still one kernel, and no sum before it.
+  parts = jax.ShapeDtypeStruct((16, 1, 6 * 256), jnp.float32)
+  text = lower_for_cuda(lambda *a: prepare_qkv(*a[:5], 1e-6, *a[5:], num_heads=4,
+                                               num_kv_heads=1, query_rows=16,
+                                               interpret=False), parts, *shapes[1:], *cache)
+  assert text.count(f"@{TRITON}") == 1 and "stablehlo.reduce" not in text
 
 
 @pytest.mark.gpu
@@ -177,3 +199,7 @@ def test_compiled_kernel_matches_the_reference_on_the_gpu():
       case = _prepare_case(rng, tokens, 4, 1, 256, dtype)
       _check_prepare(case, atol=atol, query_rows=16, interpret=False)
       _check_prepare(case, atol=atol, interpret=False)
+      (qkv, *rest), cache, heads = case  # the GEMV's 16 partial sums of the projection
+      parts = jnp.asarray(rng.standard_normal((16, *qkv.shape)) * 0.5, jnp.float32)
+      _check_prepare(((parts, *rest), cache, heads), atol=atol, query_rows=16,
+                     interpret=False)

@@ -122,7 +122,7 @@ def test_cuda_gemv_takes_the_chosen_projections_of_small_steps(gemv, names):
   # One blink_gemv custom call per chosen projection and layer in a bucket-1 step, none in a
   # bucket-64 step.
   cfg = get_config("gemma3-270m")
-  gemv_fns = (cuda_gemv.matmul, cuda_gemv.out_project, cuda_gemv.ffw_down)
+  gemv_fns = (cuda_gemv.matmul, cuda_gemv.partials, cuda_gemv.out_project, cuda_gemv.ffw_down)
   for tokens, per_layer in ((1, len(names)), (64, 0)):
     kernels = step_kernels(cfg, _options("pallas", "pallas", gemv=gemv), tokens,
                            interpret=False)
@@ -130,6 +130,14 @@ def test_cuda_gemv_takes_the_chosen_projections_of_small_steps(gemv, names):
       on = getattr(getattr(kernels, name), "func", None) in gemv_fns
       assert on == (name in names and tokens == 1), (name, tokens)
     assert _lowered(cfg, kernels, tokens).count("@blink_gemv") == cfg.num_layers * per_layer
+
+
+def test_cuda_gemv_hands_the_qkv_partial_sums_to_the_pallas_prepare():
+  # With the Pallas norm kernels the prepare kernel adds them up: no XLA sum in between.
+  cfg = get_config("gemma3-270m")
+  kernels = step_kernels(cfg, _options("pallas", "pallas", gemv="qkv"), 1, interpret=False)
+  assert kernels.qkv_matmul.func is cuda_gemv.partials
+  assert kernels.gate_up_matmul is None
 
 
 def test_cuda_gemv_output_and_down_need_the_pallas_add_norm():

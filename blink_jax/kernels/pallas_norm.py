@@ -18,7 +18,8 @@ activation dtype before the add, the sum rounded before it is normed again.
 Between the QKV projection and the attention XLA runs five kernels per layer at batch 1
 (the q/k sums of squares, the k and the q norm + RoPE, the keys and values concatenated
 into the cache row, the query padded for the Pallas attention); `prepare_qkv` is one
-launch, a program per token, that reads the fused projection in place, writes its row
+launch, a program per token, that reads the fused projection in place (or adds up the
+CUDA GEMV's partial sums of it, which XLA had added up in a kernel of its own), writes its row
 into the (aliased) cache and the query already grouped by KV head and padded (the layout
 `pallas_attention.paged_decode_attention` takes); XLA's scatter of the row into the cache
 was two more kernels per layer.
@@ -131,7 +132,8 @@ def add_rms_norm(x: jax.Array, branch: jax.Array, add_weight: jax.Array,
 
 def _prepare_kernel(qkv_ref, cos_ref, sin_ref, qw_ref, kw_ref, slots_ref, _, q_out_ref,
                     cache_ref, *, eps: float, normed: bool, num_heads: int):
-  """One token t: qkv_ref [(H + 2K) * h] (the fused projection); cos_ref, sin_ref [h/2];
+  """One token t: qkv_ref [(H + 2K) * h] (the fused projection, or [S, (H + 2K) * h] float32
+  partial sums of it, added up and rounded as a matmul's output); cos_ref, sin_ref [h/2];
   qw_ref, kw_ref [h]; slots_ref [T] -> q_out_ref [K, R, h] (query head n at KV head n // G,
   row n % G; rows G.. zero) and its row of cache_ref [P, page_size, 2 * K * h] (rotated
   keys, then values) at slots_ref[t], unless that is past the end. Loads first, stores last
@@ -143,6 +145,8 @@ def _prepare_kernel(qkv_ref, cos_ref, sin_ref, qw_ref, kw_ref, slots_ref, _, q_o
   first, second = pl.ds(0, half), pl.ds(half, half)
 
   def load(start, size):
+    if len(qkv_ref.shape) == 2:  # [S, W] partial sums
+      return _sum_rows(qkv_ref, pl.ds(start, size)).astype(dtype)
     return qkv_ref[pl.ds(start, size)]
 
   def halves(head):
@@ -189,18 +193,21 @@ def prepare_qkv(qkv: jax.Array, cos: jax.Array, sin: jax.Array, q_weight: jax.Ar
                 k_weight: jax.Array | None, eps: float, kv_pages: jax.Array, slots: jax.Array,
                 *, num_heads: int, num_kv_heads: int, query_rows: int | None = None,
                 interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
-  """`model.prepare_qkv` as one kernel: qkv [T, (H + 2K) * h], cos, sin [T, h/2], kv_pages
-  [P, page_size, 2 * K * h], slots [T]
+  """`model.prepare_qkv` as one kernel: qkv [T, (H + 2K) * h] (or float32 partial sums of it
+  [S, T, (H + 2K) * h], the CUDA GEMV's, added up as they are loaded: no kernel of XLA's
+  between the two), cos, sin [T, h/2], kv_pages [P, page_size, 2 * K * h], slots [T]
   (`attention.cache_slots`) -> the query ([T, H, h]; with query_rows, [T, K, query_rows,
-  h], grouped by KV head with zero rows after each group) in the projection's
-  dtype and kv_pages with the tokens' rows written in place (the cache is aliased:
-  no copy of it, no separate scatter kernel)."""
+  h], grouped by KV head with zero rows after each group) in the projection's dtype (the
+  cache's for partial sums) and kv_pages with the tokens' rows written in place (the cache is
+  aliased: no copy of it, no separate scatter kernel)."""
   if interpret is None:
     interpret = jax.devices()[0].platform != "gpu"
-  if qkv.ndim != 2:
-    raise ValueError(f"prepare_qkv: qkv {qkv.shape} is not [T, W]")
-  tokens, width = qkv.shape
-  dtype = qkv.dtype
+  if qkv.ndim not in (2, 3) or (qkv.ndim == 3 and qkv.dtype != jnp.float32):
+    raise ValueError(f"prepare_qkv: qkv {qkv.shape} {qkv.dtype} is not [T, W], nor float32 "
+                     f"partial sums [S, T, W]")
+  partial = qkv.ndim == 3
+  tokens, width = qkv.shape[partial:]
+  dtype = kv_pages.dtype if partial else qkv.dtype
   heads = num_heads + 2 * num_kv_heads
   head_dim = width // heads
   group = num_heads // max(num_kv_heads, 1)
@@ -219,7 +226,8 @@ def prepare_qkv(qkv: jax.Array, cos: jax.Array, sin: jax.Array, q_weight: jax.Ar
   def per_token(*shape):
     return pl.BlockSpec((None, *shape), lambda t: (t,) + (0,) * len(shape))
   whole = lambda shape: pl.BlockSpec(shape, lambda t: (0,) * len(shape))
-  qkv_spec = per_token(width)
+  qkv_spec = (pl.BlockSpec((qkv.shape[0], None, width), lambda t: (0, t, 0)) if partial
+              else per_token(width))
   query, kv_pages = pl.pallas_call(
       functools.partial(_prepare_kernel, eps=eps, normed=normed, num_heads=num_heads),
       grid=(tokens,),

@@ -11,7 +11,8 @@ The one place that knows how the fast kernels fit together:
 - "blocked" (the CPU's default for both) runs `blocked_attention`, which reads only the key
   blocks up to the step's context; "reference" the oracle, which reads every whole page table;
 - the CUDA GEMV runs the named projections of steps of up to 8 tokens; the output and down
-  projections only with the Pallas add + norm kernel, which adds up their partial sums;
+  projections only with the Pallas add + norm kernel, which adds up their partial sums (and
+  the q/k prepare kernel those of the q/k/v projection);
 - off the GPU every other projection and the output layer run `cpu_matmul`'s matmuls (the
   form XLA's CPU backend runs fast in bfloat16; the plain matmul in float32).
 """
@@ -99,7 +100,8 @@ def step_kernels(cfg, options: KernelOptions, rows: int, *, interpret: bool) -> 
   qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
   use = lambda f: functools.partial(f, use_kernel=not interpret)  # noqa: E731
   if "qkv" in gemv and cuda_gemv.usable(rows, width, qkv_width):
-    kernels["qkv_matmul"] = use(cuda_gemv.matmul)
+    # The Pallas prepare kernel adds up the partial sums itself: no XLA kernel between.
+    kernels["qkv_matmul"] = use(cuda_gemv.partials if pallas_norms else cuda_gemv.matmul)
   if "gate_up" in gemv and cuda_gemv.usable(rows, width, 2 * cfg.ffw_hidden):
     kernels["gate_up_matmul"] = use(cuda_gemv.matmul)
   if sums_partials and "down" in gemv and cuda_gemv.usable(rows, cfg.ffw_hidden, width):
