@@ -167,7 +167,8 @@ def test_argmax_is_jnp_argmax(seed, vocab):
   assert ((0 <= (got := np.asarray(_argmax_jit(jnp.asarray(x))))) & (got < vocab)).all()
 
 
-def test_sampler_lowered_for_cuda_has_nothing_a_cuda_graph_loop_cannot_hold():
+@pytest.mark.parametrize("ways", [1, 15])  # 1: the engine's, a plain bisection
+def test_sampler_lowered_for_cuda_has_nothing_a_cuda_graph_loop_cannot_hold(ways):
   """The whole sampler (greedy, filters, draw, logprobs) exported for CUDA: no sort (a CUB
   call), no cumulative sum (a reduce_window or scan, which XLA may make a CUB scan), no
   custom call, no loop (docs/ARCHITECTURE.md, "CUDA-graph rules")."""
@@ -179,7 +180,7 @@ def test_sampler_lowered_for_cuda_has_nothing_a_cuda_graph_loop_cannot_hold():
   z = (s((rows,), jnp.float32), s((rows, 2), jnp.int32), s((rows, 2), jnp.float32))
   args = (s((rows, vocab), jnp.float32), s((rows,), jnp.float32), s((rows,), jnp.float32),
           *(s((rows,), jnp.int32),) * 5, z)
-  text = lower_for_cuda(lambda *a: sample(*a, max_top=2, search_ways=15), *args)
+  text = lower_for_cuda(lambda *a: sample(*a, max_top=2, search_ways=ways), *args)
   ops = set(re.findall(r"\b(?:stablehlo|chlo)\.[a-z_]+|custom_call", text))
   assert "stablehlo.case" in ops and "stablehlo.exponential" in ops  # the sampled path is in
   assert not ops & {"stablehlo.sort", "chlo.scan", "stablehlo.reduce_window", "stablehlo.while",
