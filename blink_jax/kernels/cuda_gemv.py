@@ -10,8 +10,8 @@ at once, from S x N/64 blocks (S: one pass per block, and enough blocks to cover
 `KernelOptions.gemv` picks the projections of small GPU steps it runs
 (`blink_jax.kernels.select`): the output and down projections' partial sums go to the add +
 norm kernel and the q/k/v projection's to the q/k prepare kernel (with the Pallas norm
-kernels), the gate/up projection's are added up by XLA (`matmul`). Elsewhere (CPU, or no CUDA library) `partials` computes the same sums with
-jnp.
+kernels), the gate/up projection's are added up by XLA (`matmul`). Elsewhere (CPU, or no
+CUDA library) `partials` computes the same sums with jnp.
 """
 from __future__ import annotations
 
