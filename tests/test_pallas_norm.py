@@ -170,18 +170,18 @@ def test_prepare_lowers_to_one_triton_kernel_for_cuda():
       ((256,), jnp.bfloat16), ((256,), jnp.bfloat16))]
   cache = [jax.ShapeDtypeStruct((4864, 16, 512), jnp.bfloat16),
            jax.ShapeDtypeStruct((1,), jnp.int32)]
-  text = lower_for_cuda(lambda *a: prepare_qkv(*a[:5], 1e-6, *a[5:], num_heads=4,
-                                               num_kv_heads=1, query_rows=16,
-                                               interpret=False), *shapes, *cache)
+  def lower(*args):
+    return lower_for_cuda(lambda *a: prepare_qkv(*a[:5], 1e-6, *a[5:], num_heads=4,
+                                                 num_kv_heads=1, query_rows=16,
+                                                 interpret=False), *args)
+  text = lower(*shapes, *cache)
   assert text.count(f"@{TRITON}") == 1
   assert "stablehlo.while" not in text
   # The cache is written in place: the kernel's second output is its last operand.
   assert "output_operand_alias<output_tuple_indices = [1], operand_index = 6," in text
   # The GEMV's 16 partial sums go in as they are: still one kernel, and no sum before it.
   parts = jax.ShapeDtypeStruct((16, 1, 6 * 256), jnp.float32)
-  text = lower_for_cuda(lambda *a: prepare_qkv(*a[:5], 1e-6, *a[5:], num_heads=4,
-                                               num_kv_heads=1, query_rows=16,
-                                               interpret=False), parts, *shapes[1:], *cache)
+  text = lower(parts, *shapes[1:], *cache)
   assert text.count(f"@{TRITON}") == 1 and "stablehlo.reduce" not in text
 
 

@@ -35,20 +35,17 @@ def _search(lo, hi, ok_at, ways: int):
   broadcast read the logits once per threshold on the H200); bench.sampling --search_ways
   measures it.
   """
-  if ways == 1:  # plain bisection: no gathers, a third of the HLO (compile time, 13 buckets)
-    for _ in range(32):
-      mid = lo + (hi - lo) * 0.5
-      ok = ok_at(mid)
-      lo, hi = jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
-    return lo
   passes = math.ceil(32 / math.log2(ways + 1))
   frac = jnp.arange(1, ways + 1, dtype=jnp.float32) / (ways + 1)
   for _ in range(passes):
     ts = lo[:, None] + (hi - lo)[:, None] * frac  # non-decreasing along each row
     # ok holds for the first n thresholds
     n = sum(ok_at(ts[:, w]).astype(jnp.int32) for w in range(ways))
-    below = jnp.take_along_axis(ts, jnp.maximum(n - 1, 0)[:, None], axis=-1)[:, 0]
-    above = jnp.take_along_axis(ts, jnp.minimum(n, ways - 1)[:, None], axis=-1)[:, 0]
+    if ways == 1:  # a bisection: the one threshold is both neighbours, no gathers (which
+      below = above = ts[:, 0]  # tripled the sampler's HLO, and its compile time per bucket)
+    else:
+      below = jnp.take_along_axis(ts, jnp.maximum(n - 1, 0)[:, None], axis=-1)[:, 0]
+      above = jnp.take_along_axis(ts, jnp.minimum(n, ways - 1)[:, None], axis=-1)[:, 0]
     lo, hi = jnp.where(n > 0, below, lo), jnp.where(n < ways, above, hi)
   return lo
 
