@@ -24,7 +24,6 @@ import math
 import os
 import pathlib
 import sys
-import threading
 import time
 
 import numpy as np
@@ -378,74 +377,7 @@ def vllm_bench_fields(m: dict) -> dict:
 
 # ---- energy ----------------------------------------------------------------------------------
 
-class PowerSampler:
-  """Sums the power of this host's GPUs every `interval_s` (NVML) in a thread; integrates it."""
-
-  def __init__(self, interval_s: float = 0.05):
-    self.interval_s = interval_s
-    self.reason: str | None = None
-    self.handles = []
-    self.samples: list[tuple[float, float]] = []  # (monotonic s, watts over all GPUs)
-    self._stop = threading.Event()
-    self._thread: threading.Thread | None = None
-    try:
-      import pynvml
-      pynvml.nvmlInit()
-      self.nvml = pynvml
-      self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i)
-                      for i in range(pynvml.nvmlDeviceGetCount())]
-      if not self.handles:
-        self.reason = "NVML reports no GPU"
-      else:
-        self._read()
-    except ImportError:
-      self.reason = "pynvml (nvidia-ml-py) is not installed"
-    except Exception as e:  # NVML library missing, no driver, not supported, ...
-      self.reason = f"NVML unavailable: {type(e).__name__}: {e}"
-    if self.reason:
-      self.handles = []
-
-  def _read(self) -> float:
-    return sum(self.nvml.nvmlDeviceGetPowerUsage(h) for h in self.handles) / 1e3
-
-  def _run(self):
-    while not self._stop.is_set():
-      try:
-        self.samples.append((time.monotonic(), self._read()))
-      except Exception as e:
-        self.reason = f"NVML read failed: {e}"
-        return
-      self._stop.wait(self.interval_s)
-
-  def __enter__(self):
-    self.samples = []
-    if self.handles:
-      self._stop.clear()
-      self._thread = threading.Thread(target=self._run, daemon=True, name="nvml-power")
-      self._thread.start()
-    return self
-
-  def __exit__(self, *exc):
-    if self._thread is not None:
-      self._stop.set()
-      self._thread.join()
-      self._thread = None
-      try:
-        self.samples.append((time.monotonic(), self._read()))
-      except Exception:
-        pass
-
-  def result(self, output_tokens: int) -> dict:
-    if self.reason or len(self.samples) < 2:
-      return {"energy_j": None, "avg_power_w": None, "energy_per_token_j": None,
-              "energy_note": self.reason or "too few power samples"}
-    t, w = np.array(self.samples).T
-    joules = float(np.sum((w[1:] + w[:-1]) / 2 * np.diff(t)))
-    return {"energy_j": joules, "avg_power_w": joules / float(t[-1] - t[0]),
-            "energy_per_token_j": joules / output_tokens if output_tokens else None,
-            "energy_note": f"NVML power of {len(self.handles)} GPU(s), "
-                           f"{len(self.samples)} samples every {1e3 * self.interval_s:.0f} ms",
-            "gpus": len(self.handles)}
+PowerSampler = C.PowerSampler  # NVML power of this host's GPUs (bench/common.py)
 
 
 # ---- host CPU of the server ------------------------------------------------------------------

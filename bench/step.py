@@ -1,7 +1,8 @@
 """Cost of one model step, next to its floors: decode-step latency at several batch sizes,
 prefill throughput for several prompt lengths, the HBM floor (bytes a step must read /
 measured copy bandwidth), the matmul floor (FLOPs / measured bf16 matmul rate), the
-scheduler's schedule+commit and an empty loop iteration.
+scheduler's schedule+commit and an empty loop iteration; on a GPU with NVML also the energy
+per decode or mixed step, total and above idle (--energy_s).
 
 Steps run N times inside one device `lax.fori_loop` (no host in the timing); random weights.
 
@@ -54,6 +55,9 @@ def define_flags():
   flags.DEFINE_integer("steps", 50, "steps per timed device loop")
   flags.DEFINE_integer("repeats", 3, "timed loops per point (median and spread reported)")
   flags.DEFINE_integer("page_size", 16, "KV page size")
+  flags.DEFINE_float("energy_s", 2.0, "seconds each decode and mixed point runs its timed loop "
+                     "again under NVML power sampling, for its energy per step (0: none; no "
+                     "figure off a GPU or without NVML)")
   C.define_kernel_flags()  # --attention --prefill --norm --gemv --decode_rows --decode_head
   flags.DEFINE_bool("scheduler", True, "also time schedule+commit and an empty loop iteration")
   flags.DEFINE_string("out", "bench/results/step.json", "JSON result file")
@@ -158,6 +162,7 @@ def measure_step(model, cfg, kind: str, n_seqs: int, length: int, steps: int, re
     return kv_state["kv"]
 
   per = [t / steps for t in timed(lambda: call(), repeats=repeats)]
+  energy = step_energy(call, steps, float(np.median(per))) if kind != "prefill" else {}
   if FLAGS.profile and kind != "prefill":
     # One step per call, traced (bench.kernel_profile --iterations profile_steps).
     kv_state["kv"], _ = jax.block_until_ready(one(params, kv_state["kv"], tokens, positions,
@@ -183,11 +188,44 @@ def measure_step(model, cfg, kind: str, n_seqs: int, length: int, steps: int, re
   row = {"kind": kind, "batch": n_seqs, "tokens": n_tokens, "context": length,
          **C.stats([p * 1e3 for p in per], "ms_per_step"),
          "hbm_floor_ms": floor_bytes / bw * 1e3, "matmul_floor_ms": flop / flops * 1e3,
-         "tokens_per_s": n_tokens / med,
+         "tokens_per_s": n_tokens / med, **energy,
          **({"prompt_chunk": FLAGS.mixed_prompt, "logit_rows": len(logit_rows)}
             if kind == "mixed" else {})}
   print({k: v for k, v in row.items() if not k.endswith("_all")}, flush=True)
   return row
+
+
+_IDLE_POWER: dict = {}  # the GPUs' power with nothing running, sampled once
+
+
+def step_energy(call, steps: int, step_s: float) -> dict:
+  """Energy per step of a point's timed loop `call` (`steps` steps of about step_s each),
+  run again and again for --energy_s under NVML power sampling (bench.common.PowerSampler);
+  also above the GPUs' idle power (sampled for 1 s before the first point). {} when off,
+  off a GPU, or without NVML."""
+  if FLAGS.energy_s <= 0 or jax.devices()[0].platform != "gpu":
+    return {}
+  sampler = C.PowerSampler(0.02)
+  if sampler.reason:
+    return {"energy_note": sampler.reason}
+  if not _IDLE_POWER:
+    with sampler:
+      time.sleep(1.0)
+    _IDLE_POWER.update(sampler.result(1))
+  calls = max(1, round(FLAGS.energy_s / (steps * step_s)))
+  with sampler:
+    for _ in range(calls):
+      call()
+    jax.block_until_ready(call())
+  got = sampler.result(1)
+  if got["energy_j"] is None or _IDLE_POWER.get("avg_power_w") is None:
+    return {"energy_note": got["energy_note"]}
+  n = (calls + 1) * steps
+  seconds = got["energy_j"] / got["avg_power_w"]
+  return {"energy_per_step_j": got["energy_j"] / n, "avg_power_w": got["avg_power_w"],
+          "idle_power_w": _IDLE_POWER["avg_power_w"],
+          "energy_above_idle_per_step_j":
+              (got["energy_j"] - _IDLE_POWER["avg_power_w"] * seconds) / n}
 
 
 def configure_xla(command_buffers: bool) -> None:
@@ -234,7 +272,7 @@ def main(argv):
                      "kernel_ms": r.get("kernel_us_per_iter_median", 0) / 1e3})
   print(C.table(rows, ["kind", "batch", "tokens", "context", "ms_per_step_median",
                        "ms_per_step_min", "ms_per_step_max", "hbm_floor_ms", "matmul_floor_ms",
-                       "tokens_per_s"]))
+                       "tokens_per_s", "energy_per_step_j", "avg_power_w"]))
   C.write_result(FLAGS.out, "step", rows, {"config": FLAGS.config, "copy_bytes_per_s": bw,
                                           "matmul_flop_per_s": flops,
                                           "kernels": C.kernels_record(
