@@ -291,3 +291,36 @@ class PowerSampler:
             "energy_note": f"NVML power of {len(self.handles)} GPU(s), "
                            f"{len(self.samples)} samples every {1e3 * self.interval_s:.0f} ms",
             "gpus": len(self.handles)}
+
+
+class EnergyCounter:
+  """Joules the GPUs of this host used over a `with` block, from NVML's total-energy counter
+  (nvmlDeviceGetTotalEnergyConsumption, Volta and later): exact over short runs, where
+  sampled power (PowerSampler) lags by its averaging window. `joules` None, `reason` set,
+  where there is no counter."""
+
+  def __init__(self):
+    self.reason: str | None = None
+    self.joules: float | None = None
+    self.seconds: float | None = None
+    probe = PowerSampler()  # NVML's set-up and its reasons
+    self.reason, self.handles = probe.reason, probe.handles
+    if not self.reason:
+      self.nvml = probe.nvml
+      try:
+        self._read()
+      except Exception as e:  # not supported on this GPU
+        self.reason = f"NVML energy counter unavailable: {type(e).__name__}: {e}"
+
+  def _read(self) -> float:
+    return sum(self.nvml.nvmlDeviceGetTotalEnergyConsumption(h) for h in self.handles) / 1e3
+
+  def __enter__(self):
+    if not self.reason:
+      self._t, self._j = time.monotonic(), self._read()
+    return self
+
+  def __exit__(self, *exc):
+    if not self.reason:
+      self.joules, self.seconds = self._read() - self._j, time.monotonic() - self._t
+

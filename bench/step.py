@@ -56,7 +56,7 @@ def define_flags():
   flags.DEFINE_integer("repeats", 3, "timed loops per point (median and spread reported)")
   flags.DEFINE_integer("page_size", 16, "KV page size")
   flags.DEFINE_float("energy_s", 2.0, "seconds each decode and mixed point runs its timed loop "
-                     "again under NVML power sampling, for its energy per step (0: none; no "
+                     "again under NVML's energy counter, for its energy per step (0: none; no "
                      "figure off a GPU or without NVML)")
   C.define_kernel_flags()  # --attention --prefill --norm --gemv --decode_rows --decode_head
   flags.DEFINE_bool("scheduler", True, "also time schedule+commit and an empty loop iteration")
@@ -195,37 +195,33 @@ def measure_step(model, cfg, kind: str, n_seqs: int, length: int, steps: int, re
   return row
 
 
-_IDLE_POWER: dict = {}  # the GPUs' power with nothing running, sampled once
+_IDLE_POWER: list = []  # the GPUs' power with nothing running, W, measured once
 
 
 def step_energy(call, steps: int, step_s: float) -> dict:
   """Energy per step of a point's timed loop `call` (`steps` steps of about step_s each),
-  run again and again for --energy_s under NVML power sampling (bench.common.PowerSampler);
-  also above the GPUs' idle power (sampled for 1 s before the first point). {} when off,
-  off a GPU, or without NVML."""
+  run again and again for --energy_s, from NVML's energy counter (bench.common.EnergyCounter);
+  also above the GPUs' idle power (measured over 2 s before the first point). {} when off
+  or off a GPU; a note instead without the counter."""
   if FLAGS.energy_s <= 0 or jax.devices()[0].platform != "gpu":
     return {}
-  sampler = C.PowerSampler(0.02)
-  if sampler.reason:
-    return {"energy_note": sampler.reason}
+  counter = C.EnergyCounter()
+  if counter.reason:
+    return {"energy_note": counter.reason}
   if not _IDLE_POWER:
-    with sampler:
-      time.sleep(1.0)
-    _IDLE_POWER.update(sampler.result(1))
+    with counter:
+      time.sleep(2.0)
+    _IDLE_POWER.append(counter.joules / counter.seconds)
   calls = max(1, round(FLAGS.energy_s / (steps * step_s)))
-  with sampler:
+  jax.block_until_ready(call())
+  with counter:
     for _ in range(calls):
-      call()
-    jax.block_until_ready(call())
-  got = sampler.result(1)
-  if got["energy_j"] is None or _IDLE_POWER.get("avg_power_w") is None:
-    return {"energy_note": got["energy_note"]}
-  n = (calls + 1) * steps
-  seconds = got["energy_j"] / got["avg_power_w"]
-  return {"energy_per_step_j": got["energy_j"] / n, "avg_power_w": got["avg_power_w"],
-          "idle_power_w": _IDLE_POWER["avg_power_w"],
-          "energy_above_idle_per_step_j":
-              (got["energy_j"] - _IDLE_POWER["avg_power_w"] * seconds) / n}
+      out = call()
+    jax.block_until_ready(out)
+  n = calls * steps
+  return {"energy_per_step_j": counter.joules / n, "avg_power_w": counter.joules / counter.seconds,
+          "idle_power_w": _IDLE_POWER[0],
+          "energy_above_idle_per_step_j": (counter.joules - _IDLE_POWER[0] * counter.seconds) / n}
 
 
 def configure_xla(command_buffers: bool) -> None:

@@ -50,3 +50,15 @@ def test_bench_step_runs_mixed_steps(tmp_path):
   assert (r["kind"], r["batch"], r["tokens"], r["prompt_chunk"], r["logit_rows"]) == (
       "mixed", 4, 32, 10, 32)
   assert np.isfinite(r["ms_per_step_median"]) and r["ms_per_step_median"] > 0
+
+
+def test_energy_counter_measures_a_block_or_says_why_not():
+  # NVML's energy counter where there is one (a GPU host); a reason and no figure elsewhere.
+  from bench import common as C
+  with C.EnergyCounter() as counter:
+    sum(range(1000))
+  if counter.reason:
+    assert counter.joules is None
+    assert "NVML" in counter.reason or "pynvml" in counter.reason
+  else:
+    assert counter.joules >= 0 and counter.seconds > 0
