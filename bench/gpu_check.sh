@@ -86,7 +86,8 @@ EOF
 # module that does not import there).
 GPU_TEST_FILES="tests/test_scheduler_backends.py tests/test_engine_gpu.py tests/test_device_region.py
   tests/test_pallas_attention.py tests/test_pallas_norm.py tests/test_pallas_prefill.py
-  tests/test_cuda_gemv.py tests/test_scheduler_race.py tests/test_tensor_parallel.py"
+  tests/test_cuda_gemv.py tests/test_cuda_sampler.py tests/test_scheduler_race.py
+  tests/test_tensor_parallel.py"
 export GPU_TEST_FILES=$(echo $GPU_TEST_FILES)
 # Notes: executor = persistent vs host, quiet vs 2 x nproc thrashers; ARGS of the executor
 # recipes take KernelOptions flags (--attention --prefill --norm --gemv --decode_rows);

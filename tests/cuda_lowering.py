@@ -10,9 +10,10 @@ TRITON = "__gpu$xla.gpu.triton"
 
 def lower_for_cuda(fn, *shapes) -> str:
   """The StableHLO text of jit(fn) exported for CUDA at `shapes` (jax.ShapeDtypeStruct or
-  pytrees of them); Triton calls and ffi/'s blink_gemv may appear in it."""
+  pytrees of them); Triton calls and ffi/'s FFI targets may appear in it."""
   exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
-      export.DisabledSafetyCheck.custom_call(name) for name in (TRITON, "blink_gemv")])(*shapes)
+      export.DisabledSafetyCheck.custom_call(name)
+      for name in (TRITON, "blink_gemv", "blink_sample_thresholds")])(*shapes)
   return exported.mlir_module()
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from blink_jax.kernels import cuda_sampler
 from blink_jax.model.sampling import _draw, _filtered, argmax, top_n, sample
 
 
@@ -87,19 +88,22 @@ def _threshold_keep(x, k, p):
   return x >= t
 
 
-_filtered_jit = jax.jit(_filtered, static_argnums=4)
+_filtered_jit = jax.jit(_filtered, static_argnums=(4, 5))
 
 
 @settings(max_examples=15, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.sampled_from([2, 37, 600]), st.sampled_from([1, 3, 15]))
+@given(st.integers(0, 2**31 - 1), st.sampled_from([2, 37, 600]),
+       st.sampled_from([1, 3, 15, "thresholds"]))
 def test_filter_matches_sorting_reference_any_shape(seed, vocab, ways):
-  """Vocabulary sizes, ties (logits on a coarse grid), every way count."""
+  """Vocabulary sizes, ties (logits on a coarse grid), every way count, and the thresholds
+  found at once (`cuda_sampler.thresholds`' answer: its sort-based stand-in off the GPU)."""
   rng = np.random.default_rng(seed)
   x = (np.round(rng.normal(size=(4, vocab)) * 4) / 2).astype(np.float32)
   k = rng.integers(0, vocab + 2, size=4).astype(np.int32)
   p = rng.choice([1.0, 0.95, 0.5, 0.1], size=4).astype(np.float32)
+  by = (1, cuda_sampler.reference_thresholds) if ways == "thresholds" else (ways, None)
   out = np.asarray(_filtered_jit(jnp.asarray(x), jnp.ones(4), jnp.asarray(k), jnp.asarray(p),
-                                 ways))
+                                 *by))
   for r in range(4):
     ref = _threshold_keep(x[r], k[r], p[r])
     if ref is not None:

@@ -315,7 +315,7 @@ class Executor:
       tok, lp, tid, tlp = sample(logits, f32(b.temperature), f32(b.top_p), b.top_k, b.seed_lo,
                                  b.seed_hi, b.position, b.num_logprobs,
                                  (zeros[1][:samples], zeros[2][:samples], zeros[3][:samples]),
-                                 max_top=max_top)
+                                 max_top=max_top, thresholds=kernels.thresholds)
       pad = s.max_seqs - samples
       rlp, rid, rtl = self._prompt_logprobs(model, kernels, hidden, b.targets, zeros[4:], rows)
       rpad = s.token_budget - rows

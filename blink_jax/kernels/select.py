@@ -14,7 +14,9 @@ The one place that knows how the fast kernels fit together:
   projections only with the Pallas add + norm kernel, which adds up their partial sums (and
   the q/k prepare kernel those of the q/k/v projection);
 - off the GPU every other projection and the output layer run `cpu_matmul`'s matmuls (the
-  form XLA's CPU backend runs fast in bfloat16; the plain matmul in float32).
+  form XLA's CPU backend runs fast in bfloat16; the plain matmul in float32);
+- on the GPU the sampler finds its top-k / top-p thresholds with `cuda_sampler`'s radix
+  selection (3 passes over the logits); elsewhere it bisects (32).
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ import functools
 import jax.numpy as jnp
 
 from blink_jax.engine_config import KernelOptions
-from blink_jax.kernels import (blocked_attention, cpu_matmul, cuda_gemv, pallas_attention,
-                               pallas_norm, pallas_prefill)
+from blink_jax.kernels import (blocked_attention, cpu_matmul, cuda_gemv, cuda_sampler,
+                               pallas_attention, pallas_norm, pallas_prefill)
 from blink_jax.model.gemma import StepKernels
 
 
@@ -108,6 +110,8 @@ def step_kernels(cfg, options: KernelOptions, rows: int, *, interpret: bool) -> 
     kernels["ffw_down"] = use(cuda_gemv.ffw_down)
   if sums_partials and "out" in gemv and cuda_gemv.usable(rows, heads, width):
     kernels["out_project"] = use(cuda_gemv.out_project)
+  if not interpret:
+    kernels["thresholds"] = use(cuda_sampler.thresholds)
   if interpret:  # not on a GPU
     kernels.setdefault("qkv_matmul", cpu_matmul.matmul)
     kernels.setdefault("gate_up_matmul", cpu_matmul.matmul)

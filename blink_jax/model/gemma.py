@@ -559,6 +559,8 @@ class StepKernels:
   gate_up_matmul: MatmulFn | None = None  # the gate/up projection's matmul (None: `@`)
   ffw_down: FfwDownFn = MLP.down_project  # GELU(gate) x up, then the down projection
   logits: LogitsFn | None = None          # the tied output layer (None: Gemma.logits' einsum)
+  # The sampler's top-k / top-p thresholds (`cuda_sampler.thresholds`; None: its searches).
+  thresholds: Callable[..., jax.Array] | None = None
 
 
 REFERENCE_KERNELS = StepKernels()

@@ -50,16 +50,21 @@ def _search(lo, hi, ok_at, ways: int):
   return lo
 
 
-def _filtered(logits, temperature, top_k, top_p, ways: int = 1):
+def _filtered(logits, temperature, top_k, top_p, ways: int = 1, thresholds=None):
   """Logits scaled by temperature with everything outside top-k / top-p set to -inf.
 
   Top-k keeps the k largest (ties at the k-th all kept); top-p the most probable tokens
   whose mass under the whole distribution first reaches p (the top one always); a row that
   asks for both keeps what both keep. Each search runs only when some row asks for it.
+  thresholds: a function that finds both thresholds at once (`cuda_sampler.thresholds`'s
+  signature and answer) instead of the searches.
   """
   x = logits / jnp.maximum(temperature, 1e-6)[:, None]
   vocab = x.shape[-1]
   hi = jnp.max(x, axis=-1)
+  if thresholds is not None:
+    t = jnp.max(thresholds(x, hi, top_k, top_p), axis=-1)
+    return jnp.where(x >= jnp.minimum(t, hi)[:, None], x, -jnp.inf)
   lo = jnp.min(x, axis=-1)
   # -inf per row, made from the data: a branch that returns a broadcast constant is a memset,
   # which a CUDA-graph loop cannot hold (docs/ARCHITECTURE.md, "CUDA-graph rules").
@@ -140,7 +145,7 @@ def _draw(keys, x):
 
 
 def sample(logits, temperature, top_p, top_k, seed_lo, seed_hi, position, num_logprobs,
-           zeros, *, max_top: int, search_ways: int = 1):
+           zeros, *, max_top: int, search_ways: int = 1, thresholds=None):
   """Samples one token per row of float32 `logits` [R, V].
 
   Returns tokens [R] int32, the logprob of each sampled token [R], and the top `max_top`
@@ -149,13 +154,14 @@ def sample(logits, temperature, top_p, top_k, seed_lo, seed_hi, position, num_lo
   `zeros` = (f32 [R], i32 [R, max_top], f32 [R, max_top]) are returned when no row asks for
   logprobs: passed in rather than made here, since a zero-fill is a memset, which XLA cannot
   put into a CUDA graph. `search_ways`: thresholds per pass of the top-k / top-p searches
-  (see _search).
+  (see _search); `thresholds`: a kernel that finds them instead (see _filtered).
   """
   greedy = argmax(logits)
 
   def stochastic():
     filt = lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)),
-                    lambda: _filtered(logits, temperature, top_k, top_p, search_ways),
+                    lambda: _filtered(logits, temperature, top_k, top_p, search_ways,
+                                      thresholds),
                     lambda: logits / jnp.maximum(temperature, 1e-6)[:, None])
     drawn = _draw(jax.vmap(_row_key)(seed_lo, seed_hi, position), filt)
     return jnp.where(temperature > 0, drawn, greedy)

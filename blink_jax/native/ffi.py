@@ -221,7 +221,8 @@ def geometry_offsets(geo, slot: int) -> list[int]:
 @functools.cache
 def register_targets() -> tuple[str, ...]:
   """Registers blink_schedule / blink_commit with XLA for every platform we have
-  handlers for, and on CUDA blink_gemv (`cuda_gemv`)."""
+  handlers for, and on CUDA blink_gemv (`cuda_gemv`) and blink_sample_thresholds
+  (`cuda_sampler`)."""
   import jax  # the protocol and the C API above need no JAX; the FFI targets do
 
   platforms = ["cpu"]
@@ -239,6 +240,9 @@ def register_targets() -> tuple[str, ...]:
                                   platform="CUDA")
       jax.ffi.register_ffi_target("blink_gemv", jax.ffi.pycapsule(cuda.BlinkGemvCuda),
                                   platform="CUDA")  # blink_jax/kernels/cuda_gemv.py
+      jax.ffi.register_ffi_target(  # blink_jax/kernels/cuda_sampler.py
+          "blink_sample_thresholds", jax.ffi.pycapsule(cuda.BlinkSampleThresholdsCuda),
+          platform="CUDA")
       platforms.append("cuda")
     except Exception:  # no CUDA plugin in this jax: CPU only
       pass
