@@ -3,9 +3,9 @@
 rows' values, three passes over the logits where `model.sampling`'s bisection makes 32
 (docs/ARCHITECTURE.md, "Sampling").
 
-`select.step_kernels` hands it to the sampler on a GPU (`StepKernels.thresholds`);
-elsewhere the sampler bisects. `reference_thresholds` is the same answer by a sort, for
-the tests.
+`select.step_kernels` hands it to the sampler of GPU steps that sample at least MIN_ROWS
+rows (`StepKernels.thresholds`); smaller steps and other devices bisect.
+`reference_thresholds` is the same answer by a sort, for the tests.
 """
 from __future__ import annotations
 
@@ -13,6 +13,13 @@ import jax
 import jax.numpy as jnp
 
 from blink_jax.native import ffi
+
+# Rows a step samples from which the kernel beats the bisection. On an H100, Gemma 3's
+# 262,144-token vocabulary (docs/PERFORMANCE.md, "Sampling"): 64 top-p rows 888 against
+# 1,206 us, 64 top-k + top-p rows 968 against 2,012; one row 551 against 209 and 584
+# against 321 (a block per row: one SM reads the whole row, and its histogram atomics
+# contend on a few bins).
+MIN_ROWS = 64
 
 
 def kernel_available() -> bool:
