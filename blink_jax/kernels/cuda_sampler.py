@@ -17,8 +17,8 @@ from blink_jax.native import ffi
 # Rows a step samples from which the kernel beats the bisection. On an H100, Gemma 3's
 # 262,144-token vocabulary (docs/PERFORMANCE.md, "Sampling"): 64 top-p rows 888 against
 # 1,206 us, 64 top-k + top-p rows 968 against 2,012; one row 551 against 209 and 584
-# against 321 (a block per row: one SM reads the whole row, and its histogram atomics
-# contend on a few bins).
+# against 321 (a block per row: one SM reads the whole row, one 4-byte load per thread in
+# flight at a time).
 MIN_ROWS = 64
 
 
