@@ -223,16 +223,13 @@ def write_result(path: str, name: str, rows, extra: dict | None = None) -> pathl
   return out
 
 
-class PowerSampler:
-  """Sums the power of this host's GPUs every `interval_s` (NVML) in a thread; integrates it."""
+class _NvmlMeter:
+  """NVML and this host's GPUs for a meter whose `_read` sums one figure over them: `nvml`
+  and `handles` where it works (a first `_read` included), else no handles and `reason`."""
 
-  def __init__(self, interval_s: float = 0.05):
-    self.interval_s = interval_s
+  def __init__(self):
     self.reason: str | None = None
     self.handles = []
-    self.samples: list[tuple[float, float]] = []  # (monotonic s, watts over all GPUs)
-    self._stop = threading.Event()
-    self._thread: threading.Thread | None = None
     try:
       import pynvml
       pynvml.nvmlInit()
@@ -249,6 +246,20 @@ class PowerSampler:
       self.reason = f"NVML unavailable: {type(e).__name__}: {e}"
     if self.reason:
       self.handles = []
+
+  def _read(self) -> float:
+    raise NotImplementedError
+
+
+class PowerSampler(_NvmlMeter):
+  """Sums the power of this host's GPUs every `interval_s` (NVML) in a thread; integrates it."""
+
+  def __init__(self, interval_s: float = 0.05):
+    self.interval_s = interval_s
+    self.samples: list[tuple[float, float]] = []  # (monotonic s, watts over all GPUs)
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+    super().__init__()
 
   def _read(self) -> float:
     return sum(self.nvml.nvmlDeviceGetPowerUsage(h) for h in self.handles) / 1e3
@@ -293,24 +304,16 @@ class PowerSampler:
             "gpus": len(self.handles)}
 
 
-class EnergyCounter:
+class EnergyCounter(_NvmlMeter):
   """Joules the GPUs of this host used over a `with` block, from NVML's total-energy counter
   (nvmlDeviceGetTotalEnergyConsumption, Volta and later): exact over short runs, where
   sampled power (PowerSampler) lags by its averaging window. `joules` None, `reason` set,
   where there is no counter."""
 
   def __init__(self):
-    self.reason: str | None = None
     self.joules: float | None = None
     self.seconds: float | None = None
-    probe = PowerSampler()  # NVML's set-up and its reasons
-    self.reason, self.handles = probe.reason, probe.handles
-    if not self.reason:
-      self.nvml = probe.nvml
-      try:
-        self._read()
-      except Exception as e:  # not supported on this GPU
-        self.reason = f"NVML energy counter unavailable: {type(e).__name__}: {e}"
+    super().__init__()
 
   def _read(self) -> float:
     return sum(self.nvml.nvmlDeviceGetTotalEnergyConsumption(h) for h in self.handles) / 1e3

@@ -52,9 +52,7 @@ def usable(tokens: int, k: int, n: int) -> bool:
   return 1 <= tokens <= MAX_TOKENS and n % COLUMNS == 0 and k >= 1
 
 
-def kernel_available() -> bool:
-  """Whether the CUDA kernel is registered (a CUDA build of ffi/ and a GPU jax)."""
-  return "cuda" in ffi.register_targets()
+kernel_available = ffi.cuda_targets_available  # whether blink_gemv is registered
 
 
 def reference_partials(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
@@ -81,11 +79,8 @@ def partials(x: jax.Array, w: jax.Array, splits: int | None = None, *,
   splits = default_splits(k, n, tokens) if splits is None else splits
   if not 1 <= splits <= k:
     raise ValueError(f"splits={splits} must be in [1, K={k}]")
-  if use_kernel is None:
-    use_kernel = jax.devices()[0].platform == "gpu" and kernel_available()
-  elif use_kernel:
-    kernel_available()  # registers blink_gemv where it can (XLA names it if it could not)
-  if not use_kernel or x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:  # bf16 kernel
+  if (not ffi.use_cuda_kernel(use_kernel) or x.dtype != jnp.bfloat16
+      or w.dtype != jnp.bfloat16):  # a bf16 kernel
     return reference_partials(x, w, splits)
   out = jax.ShapeDtypeStruct((splits, tokens, n), jnp.float32)
   return jax.ffi.ffi_call("blink_gemv", out)(x, w)

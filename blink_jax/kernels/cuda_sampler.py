@@ -22,9 +22,7 @@ from blink_jax.native import ffi
 MIN_ROWS = 64
 
 
-def kernel_available() -> bool:
-  """Whether the CUDA kernel is registered (a CUDA build of ffi/ and a GPU jax)."""
-  return "cuda" in ffi.register_targets()
+kernel_available = ffi.cuda_targets_available  # whether blink_sample_thresholds is registered
 
 
 def reference_thresholds(x: jax.Array, hi: jax.Array, top_k: jax.Array,
@@ -55,13 +53,9 @@ def thresholds(x: jax.Array, hi: jax.Array, top_k: jax.Array, top_p: jax.Array, 
       top_p.shape != hi.shape:
     raise ValueError(f"thresholds takes x [R, V], hi, top_k, top_p [R]; got {x.shape}, "
                      f"{hi.shape}, {top_k.shape}, {top_p.shape}")
-  if use_kernel is None:
-    use_kernel = jax.devices()[0].platform == "gpu" and kernel_available()
-  elif use_kernel:
-    kernel_available()  # registers the target where it can (XLA names it if it could not)
   args = (x.astype(jnp.float32), hi.astype(jnp.float32), top_k.astype(jnp.int32),
           top_p.astype(jnp.float32))
-  if not use_kernel:
+  if not ffi.use_cuda_kernel(use_kernel):
     return reference_thresholds(*args)
   out = jax.ShapeDtypeStruct((x.shape[0], 2), jnp.float32)
   return jax.ffi.ffi_call("blink_sample_thresholds", out)(*args)

@@ -60,11 +60,18 @@ def _filtered(logits, temperature, top_k, top_p, ways: int = 1, thresholds=None)
   signature and answer) instead of the searches.
   """
   x = logits / jnp.maximum(temperature, 1e-6)[:, None]
-  vocab = x.shape[-1]
   hi = jnp.max(x, axis=-1)
   if thresholds is not None:
     t = jnp.max(thresholds(x, hi, top_k, top_p), axis=-1)
-    return jnp.where(x >= jnp.minimum(t, hi)[:, None], x, -jnp.inf)
+  else:
+    t = _searched_threshold(x, hi, top_k, top_p, ways)
+  return jnp.where(x >= jnp.minimum(t, hi)[:, None], x, -jnp.inf)
+
+
+def _searched_threshold(x, hi, top_k, top_p, ways: int):
+  """Per row of scaled logits x, the larger of the top-k and top-p thresholds (-inf where a
+  row asks for neither), each found by `_search` when some row asks for it."""
+  vocab = x.shape[-1]
   lo = jnp.min(x, axis=-1)
   # -inf per row, made from the data: a branch that returns a broadcast constant is a memset,
   # which a CUDA-graph loop cannot hold (docs/ARCHITECTURE.md, "CUDA-graph rules").
@@ -83,9 +90,8 @@ def _filtered(logits, temperature, top_k, top_p, ways: int = 1, thresholds=None)
                 >= need, ways)
     return jnp.where(top_p < 1.0, t, -jnp.inf)  # p = 1: no rounding losses
 
-  t = jnp.maximum(lax.cond(jnp.any(top_k > 0), kth, lambda: none),
-                  lax.cond(jnp.any(top_p < 1.0), pth, lambda: none))
-  return jnp.where(x >= jnp.minimum(t, hi)[:, None], x, -jnp.inf)
+  return jnp.maximum(lax.cond(jnp.any(top_k > 0), kth, lambda: none),
+                     lax.cond(jnp.any(top_p < 1.0), pth, lambda: none))
 
 
 # Tokens per block of the two-level draw and argmax (see _draw, argmax).

@@ -249,6 +249,24 @@ def register_targets() -> tuple[str, ...]:
   return tuple(platforms)
 
 
+def cuda_targets_available() -> bool:
+  """Whether the CUDA FFI targets are registered (a CUDA build of ffi/ and a GPU jax)."""
+  return "cuda" in register_targets()
+
+
+def use_cuda_kernel(use_kernel: bool | None) -> bool:
+  """Whether a kernel module (`cuda_gemv`, `cuda_sampler`) calls its CUDA target: as asked,
+  or by default when the targets are registered and the default device is a GPU. Asking
+  registers them where it can (XLA names a target that could not be)."""
+  import jax
+
+  if use_kernel is None:
+    return jax.devices()[0].platform == "gpu" and cuda_targets_available()
+  if use_kernel:
+    cuda_targets_available()
+  return use_kernel
+
+
 SUMMARY_FIELDS = ("free_pages", "running", "waiting", "free_lanes", "steps", "tokens_generated",
                   "prompt_tokens", "admitted", "finished", "errored", "cancelled", "preemptions",
                   "loop_iterations", "prefix_queries", "prefix_hits", "cached_pages")
