@@ -15,10 +15,10 @@ import jax.numpy as jnp
 from blink_jax.native import ffi
 
 # Rows a step samples from which the kernel beats the bisection. On an H100, Gemma 3's
-# 262,144-token vocabulary (docs/PERFORMANCE.md, "Sampling"): 64 top-p rows 888 against
-# 1,206 us, 64 top-k + top-p rows 968 against 2,012; one row 551 against 209 and 584
-# against 321 (a block per row: one SM reads the whole row, one 4-byte load per thread in
-# flight at a time).
+# 262,144-token vocabulary (docs/PERFORMANCE.md, "Sampling"): 64 top-p rows 705 against
+# 1,140 us, 64 top-k + top-p rows 722 against 1,961; one row 486 against 183 and 502
+# against 283 (a block per row: one SM counts the whole row, its shared-memory atomics
+# contended where the logits crowd a few bins).
 MIN_ROWS = 64
 
 
