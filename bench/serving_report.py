@@ -147,7 +147,7 @@ def crosscheck_table(folder: pathlib.Path, prefix: str) -> list[str]:
 
 def plot(docs: dict, shape: str, path: pathlib.Path) -> None:
   picked = [(f"{NAMES[srv]} {run}", doc["results"]) for (s, srv, run), doc in sorted(docs.items())
-            if s == shape and (run == "quiet" or re.fullmatch(r"int\d+", run))]
+            if s == shape and re.fullmatch(r"(.+_)?(quiet|int\d+)", run)]  # tagged runs too
   BS.plot_results(picked, path, ("p99",))
 
 
