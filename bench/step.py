@@ -100,16 +100,21 @@ def matmul_rate() -> float:
 def step_fns(model, n_tokens: int, steps: int, logit_rows: np.ndarray, feed_back: bool):
   """A jitted loop of `steps` model steps over n_tokens rows (the output layer over
   `logit_rows`; feed_back: each step's tokens are the last step's picks, as in decode), one
-  jitted step (for profiles: kernels inside a device loop are not traced), and the weights."""
+  jitted step (for profiles: kernels inside a device loop are not traced), and the weights
+  with each layer's fused q/k/v and gate/up copies (`Gemma.fused_weights`), made once as the
+  executor makes them: without them the traced step concatenated the q/k/v weights in every
+  layer (a 3.5 us kernel per layer of the 1B on an H100), which the engine never does."""
   graphdef, params = nnx.split(model)
+  params = (params, jax.jit(lambda p: nnx.merge(graphdef, p).fused_weights())(params))
 
   platform = jax.devices()[0].platform  # the executor's choices for this bucket
   kernels = step_kernels(model.cfg, C.kernel_options().resolved(platform), n_tokens,
                          interpret=platform != "gpu")
 
   def one(params, kv, tokens, positions, seq_ids, pt):
+    params, fused = params
     m = nnx.merge(graphdef, params)
-    hidden, kv = m.forward(tokens, positions, seq_ids, pt, kv, kernels)
+    hidden, kv = m.forward(tokens, positions, seq_ids, pt, kv, kernels, fused=fused)
     nxt = jnp.argmax(m.logits(hidden[logit_rows]), axis=-1).astype(jnp.int32)
     return kv, nxt
 
@@ -172,7 +177,7 @@ def measure_step(model, cfg, kind: str, n_seqs: int, length: int, steps: int, re
       for _ in range(FLAGS.profile_steps):
         kv_state["kv"], _ = one(params, kv_state["kv"], tokens, positions, seq_ids, pt)
       jax.block_until_ready(kv_state["kv"])
-  weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+  weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params[0]))
   embed_bytes = model.embed[...].nbytes
   kv_row_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(model.dtype).itemsize
   # Bytes a step must read: every weight once (the tied embedding as the head) and the K/V of
