@@ -63,6 +63,7 @@ executor_host   | executor_latency_host  | python3 -m bench.executor --config ge
 sched           | sched_step             | python3 -m bench.sched --lanes 1,64,256 --slots 4096 --seconds 0.5 --repeats 3 --interference 32 --mailbox host,device --out "$out" $ARGS
 sched_scan      | sched_scan             | python3 -m bench.sched --lanes 64,256 --slots 4096 --seconds 0.5 --repeats 3 --interference 32 --mailbox host --doorbell_us 0,200 --out "$out" $ARGS
 sampling        | sampling               | python3 -m bench.sampling --rows 1,64,256 --search_ways ${WAYS:-1,3,15} --out "$out" $ARGS
+gemv            | gemv                   | python3 -m bench.gemv --config gemma3-1b --tokens 1,8 --out "$out" $ARGS
 sched_host      | sched_step_host        | python3 -m bench.sched --lanes 1,64,256 --slots 4096 --seconds 0.5 --repeats 3 --mailbox host --out "$out" $ARGS
 sched_host_legacy | sched_step_host      | python3 scripts/bench_sched.py --lanes 1,64,256 --slots 4096 --seconds 0.5 --repeats 3 --mailbox host --out "$out" $ARGS
 step            | step                   | python3 -m bench.step --config gemma3-1b --out "$out" $ARGS
@@ -98,6 +99,7 @@ export GPU_TEST_FILES=$(echo $GPU_TEST_FILES)
 # SERVE_ARGS="--tensor_parallel N";
 # sched_scan = what a scan of the 4,096 slots costs the schedule kernel (a doorbell rung every
 # 200 us with nothing new: schedule_scan_us against doorbell_us 0), quiet and under thrashers;
+# gemv = each projection of a 1B step, XLA's matmul against the CUDA GEMV at every split count;
 # sampling = the sampler per step by mode (greedy, temperature, top-p, top-k) and rows, each
 # search at WAYS thresholds per pass (default 1,3,15);
 # executor_host with BLINK_HOST_MIN_GRAPH_SIZE=1 is finding 19; model_loop with
