@@ -13,6 +13,7 @@ selection, the executor and the engine all read it, and flags exist before JAX s
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 from typing import Any
 
 KERNEL_KINDS = ("auto", "reference", "pallas")
@@ -28,6 +29,12 @@ MODES = ("persistent", "host")
 # default (a decode step reads the weights once for all its rows, so lanes are cheap there);
 # on a CPU every row costs its arithmetic, and 8 is what the CPU tests and figures use.
 GPU_MAX_SEQS, CPU_MAX_SEQS = 256, 8
+
+
+def default_compilation_cache_dir(platform: str) -> str:
+  """compilation_cache_dir when none is given: on a CPU ~/.cache/blink-jax/xla; '' (off) on
+  other devices, until loops loaded from the cache are checked there."""
+  return str(pathlib.Path.home() / ".cache" / "blink-jax" / "xla") if platform == "cpu" else ""
 
 
 def default_max_seqs(platform: str) -> int:
@@ -215,6 +222,13 @@ class EngineConfig:
                                  "(slot ranges 0..N-1; the engine's own generate() is N).")
   warm_up: bool | None = _field(None, "Serve a workload that takes every bucket branch "
                                 "before READY (default: on a GPU).")
+  compilation_cache_dir: str | None = _field(
+      None, "Folder of JAX's persistent compilation cache, where a restarted engine of the "
+      "same model and sizes finds its compiled loop instead of compiling it (the process's "
+      "jax_compilation_cache_dir, when JAX has none yet; "
+      "docs/ARCHITECTURE.md, \"Compilation cache\"); '' leaves it off (default: "
+      "~/.cache/blink-jax/xla on a CPU, off on a GPU until a GPU run has checked loops "
+      "loaded from it).")
   kernels: KernelOptions = dataclasses.field(default_factory=KernelOptions)
 
   def __post_init__(self):
@@ -262,6 +276,10 @@ class EngineConfig:
       if self.max_num_batched_tokens not in (None, b[-1]):
         raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) is the "
                          f"largest bucket: buckets {b} end at {b[-1]}")
+    if self.compilation_cache_dir is not None and not isinstance(self.compilation_cache_dir,
+                                                                    str):
+      raise ValueError(f"compilation_cache_dir must be a path or '', got "
+                       f"{self.compilation_cache_dir!r}")
     if not isinstance(self.kernels, KernelOptions):
       raise TypeError(f"kernels must be a KernelOptions, got {type(self.kernels).__name__}")
 
@@ -353,6 +371,9 @@ class EngineConfig:
         kv_cache_memory_fraction=fraction, max_num_batched_tokens=buckets[-1],
         buckets=buckets, idle_poll_us=idle_poll_us, window_chunk=window_chunk,
         warm_up=(platform == "gpu") if self.warm_up is None else self.warm_up,
+        compilation_cache_dir=(default_compilation_cache_dir(platform)
+                               if self.compilation_cache_dir is None
+                               else self.compilation_cache_dir),
         kernels=self.kernels.resolved(platform, max_seqs))
 
   def describe(self, memory: "DeviceMemory | None" = None) -> str:

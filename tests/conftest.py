@@ -16,6 +16,18 @@ import jax.numpy as jnp  # noqa: E402  (after the flags)
 from blink_jax.weights import checkpoint as ckpt  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache(tmp_path_factory) -> Path:
+  """The session's own JAX compilation cache: engines use it (they keep a folder the process
+  has already) instead of writing into ~/.cache, and the same loop compiled by several tests
+  is compiled once (docs/ARCHITECTURE.md, "Compilation cache")."""
+  import jax
+  folder = tmp_path_factory.getbasetemp() / "xla-cache"
+  jax.config.update("jax_compilation_cache_dir", str(folder))
+  yield folder
+  jax.config.update("jax_compilation_cache_dir", None)
+
+
 @pytest.fixture(scope="session")
 def tokenizer_path(tmp_path_factory) -> Path:
   """The tiny SentencePiece model the fake-device and frontend tests share."""

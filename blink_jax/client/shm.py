@@ -17,6 +17,7 @@ import secrets
 
 import numpy as np
 
+from blink_jax.client import mapping
 from blink_jax.client.mailbox import LocalRegion
 
 try:  # CPython's own binding of shm_open/shm_unlink (what multiprocessing uses).
@@ -67,29 +68,31 @@ def default_name() -> str:
 class ShmRegion(LocalRegion):
   """A mapped POSIX shared memory segment; a `Region` through LocalRegion's read/write."""
 
-  def __init__(self, name: str, mm: mmap.mmap, nbytes: int, owner: bool):
+  def __init__(self, name: str, mapped: np.ndarray, nbytes: int, owner: bool):
     self.name = name
     self.nbytes = nbytes
     self.owner = owner
-    self._mmap = mm
-    super().__init__(np.frombuffer(mm, dtype=np.uint8, count=nbytes))
+    self._mapped: np.ndarray | None = mapped
+    super().__init__(mapped[:nbytes])
     self._unlinked = False
 
   @property
   def closed(self) -> bool:
-    return self._mmap is None
+    return self._mapped is None
 
   def close(self) -> None:
     """Unmaps the segment in this process (views of `.buf` must not be used afterwards)."""
-    mm, self._mmap = self._mmap, None
-    if mm is None:
+    mapped, self._mapped = self._mapped, None
+    if mapped is None:
       return
     self.buf = np.zeros(0, np.uint8)
-    try:
-      mm.close()
-    except BufferError:
-      # Someone still holds a view of the buffer: the mapping goes away with the last one.
-      pass
+    if isinstance(mapped.base, mmap.mmap):
+      try:
+        mapped.base.close()
+      except BufferError:
+        # Someone still holds a view of the buffer: the mapping goes away with the last one.
+        pass
+    # (A mapping at a chosen address, `mapping.map_at`, goes with its last view anyway.)
 
   def unlink(self) -> None:
     """Removes the name (engine side, at shutdown); existing mappings stay valid."""
@@ -113,8 +116,9 @@ class ShmRegion(LocalRegion):
     return f"ShmRegion(name={self.name!r}, nbytes={self.nbytes}, owner={self.owner})"
 
 
-def create_region(name: str | None, nbytes: int) -> ShmRegion:
-  """Creates (exclusively) and maps a zero-filled segment of `nbytes`, mode 0600."""
+def create_region(name: str | None, nbytes: int, address: int | None = None) -> ShmRegion:
+  """Creates (exclusively) and maps a zero-filled segment of `nbytes`, mode 0600; at
+  `address` when given and free (`mapping.map_memory`)."""
   if nbytes <= 0:
     raise ValueError(f"nbytes must be positive, got {nbytes}")
   name = _check_name(name or default_name())
@@ -122,13 +126,13 @@ def create_region(name: str | None, nbytes: int) -> ShmRegion:
   try:
     os.fchmod(fd, 0o600)  # whatever the umask did
     os.ftruncate(fd, nbytes)
-    mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    mapped = mapping.map_memory(nbytes, fd, address)
   except BaseException:
     os.close(fd)
     _shm_unlink(name)
     raise
   os.close(fd)
-  return ShmRegion(name, mm, nbytes, owner=True)
+  return ShmRegion(name, mapped, nbytes, owner=True)
 
 
 def open_region(name: str) -> ShmRegion:
@@ -139,7 +143,7 @@ def open_region(name: str) -> ShmRegion:
     nbytes = os.fstat(fd).st_size
     if nbytes <= 0:
       raise ValueError(f"shared memory {name!r} is empty (the engine has not sized it yet)")
-    mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    mapped = mapping.map_memory(nbytes, fd)
   finally:
     os.close(fd)
-  return ShmRegion(name, mm, nbytes, owner=False)
+  return ShmRegion(name, mapped, nbytes, owner=False)

@@ -18,10 +18,11 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from blink_jax.client import mailbox, protocol, shm
+from blink_jax.client import mailbox, mapping, protocol, shm
 from blink_jax.client.streaming import ChoiceDecoder, DeviceError
 from blink_jax.engine_config import (DeviceMemory, EngineConfig, full_context_pages,
                                      kv_pages_for_memory)
+from blink_jax.executor import compilation_cache
 from blink_jax.executor.xla_flags import configure_command_buffers
 
 log = logging.getLogger("blink_jax.engine")
@@ -172,6 +173,7 @@ class Engine:
     self.eos_ids = tuple(eos_ids if eos_ids is not None else
                          (tokenizer.eos_ids if tokenizer is not None else ()))[:4]
     self._make_mailbox(region, shm_name)
+    self.compilation_cache_dir = compilation_cache.enable(c.compilation_cache_dir)
     # From here on a failed start (e.g. a kernel that does not compile) unregisters the
     # mailbox and removes its shared memory: nothing leaks.
     try:
@@ -188,11 +190,15 @@ class Engine:
     self.geo = protocol.Geometry(c.num_slots, c.max_context - 1, c.ring_capacity,
                                  c.max_top_logprobs, c.prompt_arena_tokens)
     self.shm_name = None
+    # At the same address in every process when it is free: the loop's scheduler calls
+    # carry it, and a restart then compiles the same program (`client.mapping`).
+    at = mapping.MAILBOX_ADDRESS
     if region is None and shm_name is not None:
-      region = shm.create_region(shm_name or None, self.geo.total_bytes)
+      region = shm.create_region(shm_name or None, self.geo.total_bytes, at)
       self.shm_name = region.name
     self._own_shm = self.shm_name is not None
-    self.region = region or mailbox.LocalRegion(host_memory.mapped_buffer(self.geo.total_bytes))
+    self.region = region or mailbox.LocalRegion(
+        host_memory.mapped_buffer(self.geo.total_bytes, at))
     # Frontend workers 0..N-1 own the first slot ranges; this engine's own client (generate())
     # is worker N, so the two never write the same slot or doorbell.
     self.mailbox_workers = c.frontend_workers + 1

@@ -29,7 +29,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from blink_jax.engine_config import KernelOptions
-from blink_jax.executor import xla_flags
+from blink_jax.executor import compilation_cache, xla_flags
 from blink_jax.executor.loop_report import XLA_OP_BY_OP_LINE, capture_stderr, command_buffer_report
 from blink_jax.kernels.select import step_kernels
 from blink_jax.model.gemma import (Block, Gemma, init_kv_cache, kv_page_bytes,
@@ -436,10 +436,18 @@ class Executor:
     options = {}
     if mode == "host" and self.on_gpu:
       options.update(xla_flags.host_options())
+    # A loop loaded from JAX's compilation cache comes without XLA's compile log, which the
+    # loop report reads on a GPU: the report of the compile that filled the cache is kept.
+    folder = compilation_cache.active_dir() if self.on_gpu else None
+    key = compilation_cache.program_key(lowered.as_text(), self.device) if folder else None
     with capture_stderr() as log_text:
       compiled = lowered.compile(compiler_options=options or None)
     self.compile_log = log_text()
     self.loop_report = command_buffer_report(compiled, self.compile_log, self.device, mode)
+    if key and self.loop_report.get("device_while") is None:
+      self.loop_report = compilation_cache.load_report(folder, key) or self.loop_report
+    elif key:
+      compilation_cache.save_report(folder, key, self.loop_report)
     log.info("compiled %s %s in %.1f s", mode, "loop" if mode == "persistent" else "step",
              time.perf_counter() - t0)
     return compiled

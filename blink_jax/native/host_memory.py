@@ -4,17 +4,17 @@ polls it across PCIe without any host thread."""
 from __future__ import annotations
 
 import ctypes
-import mmap
 
 import numpy as np
 
+from blink_jax.client import mapping
 from blink_jax.native import ffi
 
 
-def mapped_buffer(nbytes: int) -> np.ndarray:
-  """Page-aligned anonymous memory (cudaHostRegister takes whole pages), as uint8."""
-  size = (nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-  return np.frombuffer(mmap.mmap(-1, size), np.uint8)
+def mapped_buffer(nbytes: int, address: int | None = None) -> np.ndarray:
+  """Page-aligned anonymous memory (cudaHostRegister takes whole pages), as uint8; at
+  `address` when given and free (`client.mapping.map_memory`)."""
+  return mapping.map_memory(nbytes, address=address)
 
 
 class Registration:
