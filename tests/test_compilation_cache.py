@@ -73,6 +73,10 @@ def test_enable_keeps_a_folder_the_process_has(tmp_path):
     assert compilation_cache.enable(str(tmp_path / "a")) == str(tmp_path / "a")
     assert (tmp_path / "a").is_dir()
     assert compilation_cache.enable(str(tmp_path / "b")) == str(tmp_path / "a")
+    jax.config.update("jax_compilation_cache_dir", None)
+    (tmp_path / "file").write_text("")
+    assert compilation_cache.enable(str(tmp_path / "file" / "c")) is None  # not a folder
+    assert not jax.config.jax_compilation_cache_dir
   finally:
     jax.config.update("jax_compilation_cache_dir", before)
 

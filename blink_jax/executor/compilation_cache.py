@@ -28,8 +28,13 @@ def enable(path: str) -> str | None:
   current = jax.config.jax_compilation_cache_dir
   if current or not path:
     return current or None
-  pathlib.Path(path).expanduser().mkdir(parents=True, exist_ok=True)
-  jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(path).expanduser()))
+  folder = pathlib.Path(path).expanduser()
+  try:
+    folder.mkdir(parents=True, exist_ok=True)
+  except OSError as e:  # a cache is an optimisation: the engine starts without it
+    log.warning("no compilation cache: cannot create %s (%s)", folder, e)
+    return None
+  jax.config.update("jax_compilation_cache_dir", str(folder))
   return jax.config.jax_compilation_cache_dir
 
 
