@@ -56,7 +56,9 @@ def map_at(address: int, nbytes: int, fd: int = -1) -> np.ndarray | None:
     libc.munmap(got, size)
     return None
   memory = (ctypes.c_uint8 * size).from_address(got)
-  weakref.finalize(memory, libc.munmap, got, size)
+  # Unmapped with the last view; at exit the process's end does it (a thread still polling
+  # the mailbox during interpreter shutdown must not find it gone).
+  weakref.finalize(memory, libc.munmap, got, size).atexit = False
   return np.frombuffer(memory, np.uint8)
 
 
