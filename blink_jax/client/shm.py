@@ -73,6 +73,10 @@ class ShmRegion(LocalRegion):
     self.nbytes = nbytes
     self.owner = owner
     self._mapped: np.ndarray | None = mapped
+    # An mmap.mmap behind the array (not a `mapping.map_at` mapping) is closed by close().
+    base = mapped.base
+    self._mmap = base.obj if isinstance(base, memoryview) and isinstance(
+        base.obj, mmap.mmap) else None
     super().__init__(mapped[:nbytes])
     self._unlinked = False
 
@@ -86,9 +90,11 @@ class ShmRegion(LocalRegion):
     if mapped is None:
       return
     self.buf = np.zeros(0, np.uint8)
-    if isinstance(mapped.base, mmap.mmap):
+    del mapped  # the array exports the mmap's buffer: with it alive, close() could not unmap
+    mm, self._mmap = self._mmap, None
+    if mm is not None:
       try:
-        mapped.base.close()
+        mm.close()
       except BufferError:
         # Someone still holds a view of the buffer: the mapping goes away with the last one.
         pass
