@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from blink_jax.kernels import cuda_gemv
+from blink_jax.native import ffi
 from blink_jax.model.gemma import MLP, add_rms_norm, sum_partials
 from blink_jax.kernels.pallas_norm import add_rms_norm as add_rms_norm_kernel
 from tests.cuda_lowering import require_gpu
@@ -96,7 +97,7 @@ def test_down_projection_through_the_add_norm_kernel():
 @pytest.mark.gpu
 def test_cuda_kernel_matches_the_jnp_partials_on_the_gpu():
   require_gpu()
-  assert cuda_gemv.kernel_available(), "blink_gemv is not registered (no CUDA build of ffi/?)"
+  assert ffi.cuda_targets_available(), "blink_gemv is not registered (no CUDA build of ffi/?)"
   rng = np.random.default_rng(3)
   shapes = [(6912, 1152), (1152, 13824), (1152, 1536), (1024, 1152), (100, 64)]
   for tokens in (1, 3, 8):

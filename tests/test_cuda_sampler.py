@@ -10,6 +10,7 @@ import pytest
 
 from blink_jax.engine_config import KernelOptions
 from blink_jax.kernels import cuda_sampler
+from blink_jax.native import ffi
 from blink_jax.kernels.select import step_kernels
 from blink_jax.model.config import get_config
 from blink_jax.model.sampling import _filtered, sample
@@ -71,7 +72,7 @@ def test_cuda_thresholds_keep_what_the_sorting_reference_keeps_on_the_gpu():
   # Gemma's vocabulary and a small one, rows asking for top-k, top-p, both or neither, ties
   # (a coarse grid) and spread-out logits.
   require_gpu()
-  assert cuda_sampler.kernel_available()
+  assert ffi.cuda_targets_available()
   rng = np.random.default_rng(9)
   kernel = jax.jit(functools.partial(_filtered, ways=1, thresholds=functools.partial(
       cuda_sampler.thresholds, use_kernel=True)))

@@ -11,6 +11,7 @@ kernel puts it: only the cache misses.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import sys
 import weakref
@@ -28,6 +29,7 @@ def page_bytes(nbytes: int) -> int:
   return (nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
 
 
+@functools.cache
 def _libc():
   if not sys.platform.startswith("linux"):
     return None

@@ -173,7 +173,9 @@ class Engine:
     self.eos_ids = tuple(eos_ids if eos_ids is not None else
                          (tokenizer.eos_ids if tokenizer is not None else ()))[:4]
     self._make_mailbox(region, shm_name)
-    self.compilation_cache_dir = compilation_cache.enable(c.compilation_cache_dir)
+    folder = compilation_cache.enable(c.compilation_cache_dir)
+    if folder:
+      log.info("compilation cache: %s", folder)
     # From here on a failed start (e.g. a kernel that does not compile) unregisters the
     # mailbox and removes its shared memory: nothing leaks.
     try:

@@ -48,7 +48,7 @@ def program_key(lowered_text: str, device) -> str:
   kind, the JAX version and the XLA flags it was compiled under."""
   h = hashlib.sha256()
   for part in (lowered_text, getattr(device, "device_kind", str(device)), jax.__version__,
-               env.get(env.XLA_FLAGS, "") or ""):
+               env.get(env.XLA_FLAGS, "")):
     h.update(part.encode())
     h.update(b"\0")
   return h.hexdigest()

@@ -52,9 +52,6 @@ def usable(tokens: int, k: int, n: int) -> bool:
   return 1 <= tokens <= MAX_TOKENS and n % COLUMNS == 0 and k >= 1
 
 
-kernel_available = ffi.cuda_targets_available  # whether blink_gemv is registered
-
-
 def reference_partials(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
   """The kernel's result with jnp: the sums over each split's rows of K
   (split s: rows [s * chunk, (s + 1) * chunk), chunk = ceil(K / splits))."""

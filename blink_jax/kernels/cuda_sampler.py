@@ -22,9 +22,6 @@ from blink_jax.native import ffi
 MIN_ROWS = 64
 
 
-kernel_available = ffi.cuda_targets_available  # whether blink_sample_thresholds is registered
-
-
 def reference_thresholds(x: jax.Array, hi: jax.Array, top_k: jax.Array,
                          top_p: jax.Array) -> jax.Array:
   """`thresholds` by a sort of each row (a test oracle: a sort cannot live in a CUDA-graph
