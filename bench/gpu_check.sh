@@ -76,6 +76,7 @@ tp              | executor_tp            | for n in ${TP_SIZES:-1 2}; do python3
 hf              | hf_reference           | python3 -m bench.hf_reference --config gemma3-1b --prompt 1024 --tokens 128 --repeats 3 --compile ${HF_COMPILE:-eager,auto,max-autotune} --out "$out" $ARGS
 serving         | -                      | TOKENIZER=${TOKENIZER:-.carry/tokenizer.model} bash bench/serving_suite.sh
 vllm_install    | -                      | bash bench/vllm_install.sh
+restart         | -                      | TOKENIZER=${TOKENIZER:-.carry/tokenizer.model} bash bench/restart.sh
 hlo             | -                      | python3 -m bench.diag.dump_engine_hlo --config gemma3-1b --out "$OUT/loop_hlo_1b${TAG:+_$TAG}.txt" $ARGS | grep -E "copy instructions|KV cache|loop report|^kernels \(min"; gzip -f "$OUT/loop_hlo_1b${TAG:+_$TAG}.txt"
 loop_overhead   | loop_overhead          | python3 -m bench.diag.loop_overhead --iters 20000 --repeats 2 --interference 32 --out "$out" $ARGS
 loop_bisect     | loop_bisect            | python3 -m bench.diag.loop_overhead --iters 20000 --repeats 2 --interference 32 --variants trivial,nested,ffi_s,ffi_c,ffi_sc,model-gemma3-1b-b1,model-gemma3-1b-b1+ffi_sc --out "$out" $ARGS
@@ -99,6 +100,8 @@ export GPU_TEST_FILES=$(echo $GPU_TEST_FILES)
 # SERVE_ARGS="--tensor_parallel N";
 # sched_scan = what a scan of the 4,096 slots costs the schedule kernel (a doorbell rung every
 # 200 us with nothing new: schedule_scan_us against doorbell_us 0), quiet and under thrashers;
+# restart = serve.py started twice on one compilation cache (bench/restart.sh: start times,
+# loop reports, the same greedy answer);
 # gemv = each projection of a 1B step, XLA's matmul against the CUDA GEMV at every split count;
 # sampling = the sampler per step by mode (greedy, temperature, top-p, top-k) and rows, each
 # search at WAYS thresholds per pass (default 1,3,15);
