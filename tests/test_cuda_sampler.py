@@ -52,19 +52,14 @@ def test_sample_draws_the_same_tokens_with_the_thresholds_found_at_once():
   assert np.asarray(searched).tolist() == np.asarray(at_once).tolist()
 
 
-def test_gpu_steps_of_many_samples_take_the_kernel_and_the_others_search():
+def test_gpu_steps_take_the_kernel_and_other_devices_search():
   cfg = get_config("gemma3-270m")
   options = KernelOptions(attention="pallas", norm="pallas", gemv="none", prefill="reference",
                           decode_head=0)
-  many = cuda_sampler.MIN_ROWS
-  assert step_kernels(cfg, options, many, interpret=False).thresholds.func is \
-      cuda_sampler.thresholds
-  assert step_kernels(cfg, options, 4 * many, interpret=False, samples=many).thresholds.func \
-      is cuda_sampler.thresholds
-  # fewer samples than rows (max_seqs < rows), a small step, and off the GPU: the search
-  assert step_kernels(cfg, options, many, interpret=False, samples=8).thresholds is None
-  assert step_kernels(cfg, options, 1, interpret=False).thresholds is None
-  assert step_kernels(cfg, options, many, interpret=True).thresholds is None
+  for rows in (1, 8, 64, 256):
+    assert step_kernels(cfg, options, rows, interpret=False).thresholds.func is \
+        cuda_sampler.thresholds
+    assert step_kernels(cfg, options, rows, interpret=True).thresholds is None
 
 
 @pytest.mark.gpu

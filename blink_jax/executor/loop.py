@@ -293,8 +293,7 @@ class Executor:
       params, zeros, fused = params[:3]
       model = self._model(params)
       b = batch.split(words, s.token_budget, s.max_seqs, rows, samples)
-      kernels = step_kernels(model.cfg, self.kernels, rows,
-                             interpret=not self.on_gpu, samples=samples)
+      kernels = step_kernels(model.cfg, self.kernels, rows, interpret=not self.on_gpu)
       hidden, kv = model.forward(b.tokens, b.positions, b.seq_ids, page_table, kv, kernels,
                                  fused=fused, window_pages=s.window_pages if s.window else 0,
                                  local_only=b.local_only)

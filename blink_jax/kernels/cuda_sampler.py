@@ -1,10 +1,10 @@
 """The top-k and top-p thresholds of a step's sampled rows as one CUDA kernel
 (`ffi/sampler_cuda.cu`, FFI target blink_sample_thresholds): radix selection over the
 rows' values, three passes over the logits where `model.sampling`'s bisection makes 32
-(docs/ARCHITECTURE.md, "Sampling").
+(docs/ARCHITECTURE.md, "Sampling"), each pass several blocks per row.
 
-`select.step_kernels` hands it to the sampler of GPU steps that sample at least MIN_ROWS
-rows (`StepKernels.thresholds`); smaller steps and other devices bisect.
+`select.step_kernels` hands it to the sampler of every GPU step (`StepKernels.thresholds`);
+other devices bisect.
 `reference_thresholds` is the same answer by a sort, for the tests.
 """
 from __future__ import annotations
@@ -14,12 +14,9 @@ import jax.numpy as jnp
 
 from blink_jax.native import ffi
 
-# Rows a step samples from which the kernel beats the bisection. On an H100, Gemma 3's
-# 262,144-token vocabulary (docs/PERFORMANCE.md, "Sampling"): 64 top-p rows 705 against
-# 1,140 us, 64 top-k + top-p rows 722 against 1,961; one row 486 against 183 and 502
-# against 283 (a block per row: one SM counts the whole row, its shared-memory atomics
-# contended where the logits crowd a few bins).
-MIN_ROWS = 64
+# 32-bit words of a row's workspace (ffi/sampler_cuda.cu kRowWords: a histogram of counts and
+# one of masses, 2,048 bins each, and 8 words of state between passes).
+ROW_WORDS = 2 * 2048 + 8
 
 
 def reference_thresholds(x: jax.Array, hi: jax.Array, top_k: jax.Array,
@@ -54,5 +51,7 @@ def thresholds(x: jax.Array, hi: jax.Array, top_k: jax.Array, top_p: jax.Array, 
           top_p.astype(jnp.float32))
   if not ffi.use_cuda_kernel(use_kernel):
     return reference_thresholds(*args)
-  out = jax.ShapeDtypeStruct((x.shape[0], 2), jnp.float32)
-  return jax.ffi.ffi_call("blink_sample_thresholds", out)(*args)
+  rows = x.shape[0]
+  out = (jax.ShapeDtypeStruct((rows, 2), jnp.float32),
+         jax.ShapeDtypeStruct((rows, ROW_WORDS), jnp.uint32))  # the kernels' workspace
+  return jax.ffi.ffi_call("blink_sample_thresholds", out)(*args)[0]

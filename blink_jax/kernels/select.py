@@ -15,9 +15,8 @@ The one place that knows how the fast kernels fit together:
   the q/k prepare kernel those of the q/k/v projection);
 - off the GPU every other projection and the output layer run `cpu_matmul`'s matmuls (the
   form XLA's CPU backend runs fast in bfloat16; the plain matmul in float32);
-- on the GPU a step that samples at least `cuda_sampler.MIN_ROWS` rows finds its top-k /
-  top-p thresholds with `cuda_sampler`'s radix selection (3 passes over the logits); other
-  steps bisect (32).
+- on the GPU a step finds its top-k / top-p thresholds with `cuda_sampler`'s radix
+  selection (3 passes over the logits); off it the sampler bisects (32).
 """
 from __future__ import annotations
 
@@ -62,10 +61,8 @@ def head_then_rest(q, kv_pages, page_table, seq_ids, positions, *, head: int, he
                    rest.astype(first.dtype))
 
 
-def step_kernels(cfg, options: KernelOptions, rows: int, *, interpret: bool,
-                 samples: int | None = None) -> StepKernels:
-  """The kernels of a step of `rows` tokens that samples `samples` rows (default `rows`;
-  the engine's steps sample min(rows, max_seqs)). `options` must be resolved
+def step_kernels(cfg, options: KernelOptions, rows: int, *, interpret: bool) -> StepKernels:
+  """The kernels of a step of `rows` tokens. `options` must be resolved
   (`KernelOptions.resolved`: no "auto" left). A Pallas kernel is compiled by Triton on the GPU
   and run by Pallas' interpreter elsewhere (interpret: the engine's device decides, so a CPU
   engine on a GPU machine interprets); the CUDA GEMV runs its jnp stand-in where it
@@ -113,7 +110,7 @@ def step_kernels(cfg, options: KernelOptions, rows: int, *, interpret: bool,
     kernels["ffw_down"] = use(cuda_gemv.ffw_down)
   if sums_partials and "out" in gemv and cuda_gemv.usable(rows, heads, width):
     kernels["out_project"] = use(cuda_gemv.out_project)
-  if not interpret and (rows if samples is None else samples) >= cuda_sampler.MIN_ROWS:
+  if not interpret:
     kernels["thresholds"] = use(cuda_sampler.thresholds)
   if interpret:  # not on a GPU
     kernels.setdefault("qkv_matmul", cpu_matmul.matmul)
