@@ -76,7 +76,7 @@ tp              | executor_tp            | for n in ${TP_SIZES:-1 2}; do python3
 hf              | hf_reference           | python3 -m bench.hf_reference --config gemma3-1b --prompt 1024 --tokens 128 --repeats 3 --compile ${HF_COMPILE:-eager,auto,max-autotune} --out "$out" $ARGS
 serving         | -                      | TOKENIZER=${TOKENIZER:-.carry/tokenizer.model} bash bench/serving_suite.sh
 vllm_install    | -                      | bash bench/vllm_install.sh
-restart         | -                      | TOKENIZER=${TOKENIZER:-.carry/tokenizer.model} bash bench/restart.sh
+restart         | restart                | TOKENIZER=${TOKENIZER:-.carry/tokenizer.model} RESULT="$out" bash bench/restart.sh
 hlo             | -                      | python3 -m bench.diag.dump_engine_hlo --config gemma3-1b --out "$OUT/loop_hlo_1b${TAG:+_$TAG}.txt" $ARGS | grep -E "copy instructions|KV cache|loop report|^kernels \(min"; gzip -f "$OUT/loop_hlo_1b${TAG:+_$TAG}.txt"
 loop_overhead   | loop_overhead          | python3 -m bench.diag.loop_overhead --iters 20000 --repeats 2 --interference 32 --out "$out" $ARGS
 loop_bisect     | loop_bisect            | python3 -m bench.diag.loop_overhead --iters 20000 --repeats 2 --interference 32 --variants trivial,nested,ffi_s,ffi_c,ffi_sc,model-gemma3-1b-b1,model-gemma3-1b-b1+ffi_sc --out "$out" $ARGS

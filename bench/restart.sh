@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The compilation cache on a real start (ARCHITECTURE.md, "Compilation cache"): start
 # scripts/serve.py (random weights) twice with one --compilation_cache_dir, ask each for the
-# same greedy completion, and write what each start took, its loop report and its tokens to
-# $OUT/restart.json. The second start should load the loop instead of compiling it, still run
-# it as a device WHILE node, and answer with the same tokens.
-#   OUT=dir [SHAPE=gemma3-1b] [TOKENIZER=.carry/tokenizer.model] [CACHE=dir] bash bench/restart.sh
+# same greedy completion, and write what each start took, its loop report and its answer to
+# $RESULT (default $OUT/restart.json). The second start should load the loop instead of
+# compiling it, still run it as a device WHILE node, and give the same answer.
+#   OUT=dir [RESULT=file] [SHAPE=gemma3-1b] [TOKENIZER=.carry/tokenizer.model] [CACHE=dir] \
+#     [SERVE_ARGS="..."] bash bench/restart.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/blink_restart} SHAPE=${SHAPE:-gemma3-1b} PORT=${PORT:-8031}
+RESULT=${RESULT:-$OUT/restart.json}
 TOKENIZER=${TOKENIZER:-.carry/tokenizer.model}
 CACHE=${CACHE:-$(mktemp -d /tmp/blink_xla_cache.XXXXXX)}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -33,22 +35,23 @@ for run in 1 2; do
   kill -INT $srv 2>/dev/null
   wait $srv
 done
-python3 - "$OUT" "$SHAPE" "$CACHE" <<'EOF'
+python3 - "$OUT" "$SHAPE" "$CACHE" "$RESULT" "SHAPE=$SHAPE SERVE_ARGS='${SERVE_ARGS:-}' bash bench/restart.sh" <<'EOF'
 import json, pathlib, re, sys
-out, shape, cache = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+from bench import common as C
+out, shape, cache, result, command = sys.argv[1:]
+out = pathlib.Path(out)
 runs = []
 for run in (1, 2):
   log = (out / f"restart_serve_{run}.log").read_text(errors="replace")
   answer = json.loads((out / f"restart_answer_{run}.json").read_text() or "{}")
-  choice = (answer.get("choices") or [{}])[0]
   runs.append({
       "start_s": float((out / f"restart_start_{run}.txt").read_text()),
       "compile_line": next(iter(re.findall(r"compiled persistent loop in [\d.]+ s", log)), None),
       "loop_report": next(iter(re.findall(r"serving loop on the device: (.*)", log)), None),
       "host_driven": "NOT a device-side WHILE" in log,
-      "text": choice.get("text")})
-result = {"benchmark": "restart", "shape": shape, "cache": cache, "runs": runs,
-          "same_answer": runs[0]["text"] == runs[1]["text"] and runs[0]["text"] is not None}
-(out / "restart.json").write_text(json.dumps(result, indent=1))
-print(json.dumps(result, indent=1))
+      "text": (answer.get("choices") or [{}])[0].get("text")})
+same = runs[0]["text"] is not None and runs[0]["text"] == runs[1]["text"]
+C.write_result(result, "restart", runs, {"command": command, "shape": shape, "cache": cache,
+                                         "same_answer": same})
+print(json.dumps({"runs": runs, "same_answer": same}, indent=1))
 EOF

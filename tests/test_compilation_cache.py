@@ -55,9 +55,11 @@ def test_shared_memory_maps_at_the_address_and_frontends_see_it():
 
 
 def test_defaults_and_validation():
-  assert default_compilation_cache_dir("cpu").endswith("/.cache/blink-jax/xla")
-  assert default_compilation_cache_dir("gpu") == ""
-  assert EngineConfig().resolved(512, "gpu").compilation_cache_dir == ""
+  assert default_compilation_cache_dir().endswith("/.cache/blink-jax/xla")
+  for platform in ("cpu", "gpu"):
+    assert EngineConfig().resolved(512, platform).compilation_cache_dir \
+        == default_compilation_cache_dir()
+  assert EngineConfig(compilation_cache_dir="").resolved(512, "gpu").compilation_cache_dir == ""
   assert EngineConfig(compilation_cache_dir="/x").resolved(512, "cpu").compilation_cache_dir \
       == "/x"
   with pytest.raises(ValueError, match="compilation_cache_dir"):
