@@ -10,8 +10,11 @@ profile"). This measures every split count in one call, with what a step's consu
 the partial sums alone (the add + norm and q/k prepare kernels add them up themselves) and the
 GEMV with XLA's sum (`cuda_gemv.matmul`, what the gate/up projection would take).
 
-Each point runs `steps` products inside one device `lax.fori_loop`, the input changed every
-step by the last output (so nothing is hoisted), bf16 weights of random values.
+Each point runs `steps` products inside one device `lax.fori_loop` run as a CUDA graph (XLA's
+command buffers, as the engine's loop: without them the host launched every kernel of every
+iteration and the first run's figures, 12-38 us a product, were launch costs), the input
+changed every step by the last output (so nothing is hoisted; that small kernel is in every
+figure), bf16 weights of random values.
 
   python -m bench.gemv --config gemma3-1b --tokens 1,8 --splits auto,2,4,8,16,32
 """
@@ -25,6 +28,7 @@ from absl import app, flags
 from jax import lax
 
 from bench import common as C
+from blink_jax.executor import xla_flags
 from blink_jax.kernels import cuda_gemv
 from blink_jax.model.config import get_config
 
@@ -99,6 +103,7 @@ def measure(cfg, projection: str, tokens: int, variant: str, splits: int | None,
 
 def main(argv):
   del argv
+  xla_flags.configure_command_buffers()  # before the backend starts
   cfg = get_config(FLAGS.config)
   print(f"device {C.describe_device()}, {cfg.name}")
   for name, allowed in (("projections", PROJECTIONS), ("variants", VARIANTS)):
