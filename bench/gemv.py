@@ -11,8 +11,8 @@ the partial sums alone (the add + norm and q/k prepare kernels add them up thems
 GEMV with XLA's sum (`cuda_gemv.matmul`, what the gate/up projection would take).
 
 Each point runs `steps` products inside one device `lax.fori_loop` run as a CUDA graph (XLA's
-command buffers, as the engine's loop: without them the host launched every kernel of every
-iteration and the first run's figures, 12-38 us a product, were launch costs), the input
+command buffers, as the engine's loop: without them the host drove every iteration and the
+first run's figures, 12-38 us a product, carried about 10 us of that), the input
 changed every step by the last output (so nothing is hoisted; that small kernel is in every
 figure), bf16 weights of random values.
 
