@@ -35,7 +35,8 @@ for run in 1 2; do
   kill -INT $srv 2>/dev/null
   wait $srv
 done
-python3 - "$OUT" "$SHAPE" "$CACHE" "$RESULT" "SHAPE=$SHAPE SERVE_ARGS='${SERVE_ARGS:-}' bash bench/restart.sh" <<'EOF'
+command="SHAPE=$SHAPE SERVE_ARGS='${SERVE_ARGS:-}' bash bench/restart.sh"
+python3 - "$OUT" "$SHAPE" "$CACHE" "$RESULT" "$command" <<'EOF'
 import json, pathlib, re, sys
 from bench import common as C
 out, shape, cache, result, command = sys.argv[1:]
