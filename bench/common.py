@@ -20,8 +20,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def host_buffer(nbytes: int) -> np.ndarray:
-  from blink_jax.native import host_memory
-  return host_memory.mapped_buffer(nbytes)
+  """Page-aligned shared memory (cudaHostRegister takes whole pages), as uint8."""
+  from blink_jax.client import mapping
+  return mapping.map_memory(nbytes)
 
 
 def device_mailbox(region, nbytes: int):

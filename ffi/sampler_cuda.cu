@@ -218,7 +218,10 @@ ffi::Error ThresholdsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buf
     const int64_t chunk = ((V + want - 1) / want + 3) / 4 * 4;
     const unsigned parts = unsigned((V + chunk - 1) / chunk);
     uint32_t* w = work->typed_data();
-    cudaMemsetAsync(w, 0, size_t(R) * kRowWords * sizeof(uint32_t), stream);
+    const cudaError_t zeroed =
+        cudaMemsetAsync(w, 0, size_t(R) * kRowWords * sizeof(uint32_t), stream);
+    if (zeroed != cudaSuccess)
+      return ffi::Error(ffi::ErrorCode::kInternal, cudaGetErrorString(zeroed));
     for (int pass = 0; pass < 3; ++pass) {
       histogram_kernel<<<dim3(parts, unsigned(R)), kThreads, 0, stream>>>(
           x.typed_data(), hi.typed_data(), top_k.typed_data(), top_p.typed_data(), w, V, chunk,

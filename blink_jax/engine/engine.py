@@ -187,7 +187,6 @@ class Engine:
 
   def _make_mailbox(self, region, shm_name: str | None) -> None:
     """The mailbox: host memory the device reads in place, with a fresh header."""
-    from blink_jax.native import host_memory
     c = self.config
     self.geo = protocol.Geometry(c.num_slots, c.max_context - 1, c.ring_capacity,
                                  c.max_top_logprobs, c.prompt_arena_tokens)
@@ -200,7 +199,7 @@ class Engine:
       self.shm_name = region.name
     self._own_shm = self.shm_name is not None
     self.region = region or mailbox.LocalRegion(
-        host_memory.mapped_buffer(self.geo.total_bytes, at))
+        mapping.map_memory(self.geo.total_bytes, address=at))
     # Frontend workers 0..N-1 own the first slot ranges; this engine's own client (generate())
     # is worker N, so the two never write the same slot or doorbell.
     self.mailbox_workers = c.frontend_workers + 1

@@ -5,16 +5,7 @@ from __future__ import annotations
 
 import ctypes
 
-import numpy as np
-
-from blink_jax.client import mapping
 from blink_jax.native import ffi
-
-
-def mapped_buffer(nbytes: int, address: int | None = None) -> np.ndarray:
-  """Page-aligned anonymous memory (cudaHostRegister takes whole pages), as uint8; at
-  `address` when given and free (`client.mapping.map_memory`)."""
-  return mapping.map_memory(nbytes, address=address)
 
 
 class Registration:
