@@ -23,7 +23,10 @@ from blink_jax.model.gemma import MLP, sum_partials
 
 MAX_TOKENS = 8      # rows per call (ffi/gemv_cuda.cu kMaxTokens)
 COLUMNS = 64          # output columns per block (ffi/gemv_cuda.cu kColumns)
-_TARGET_BLOCKS = 264  # about two blocks per SM of an H200 (132 SMs)
+# About one block per SM of an H100 / H200 (132 SMs): the consumers of the partial sums (the
+# add + norm and q/k prepare kernels, one program per row) read S x N floats serially, which
+# at batch 1 made them 4.3-5.4 us kernels on an H100 (docs/PERFORMANCE.md, "Kernel profile").
+_TARGET_BLOCKS = 132
 _MIN_ROWS = 32        # rows of K per split: one per row group of a block
 _GROUPS = 32          # rows a block reads at once (ffi/gemv_cuda.cu kGroups)
 _MAX_SPLITS = 32      # partial sums cost T x N x 4 bytes each, written and read again
@@ -38,7 +41,7 @@ def rows_in_flight(tokens: int) -> int:
 def default_splits(k: int, n: int, tokens: int = 1) -> int:
   """Splits of K: a power of two (the add + norm kernel sums a power of two of partials),
   enough that a block's rows fit one pass of its threads' loads (every load in flight at
-  once) and that splits x N/64 blocks cover the GPU about twice; at most 32, and at least 32
+  once) and that splits x N/64 blocks cover the GPU about once; at most 32, and at least 32
   rows of K each."""
   one_pass = -(-k // (_GROUPS * rows_in_flight(tokens)))
   cover = -(-_TARGET_BLOCKS // max(1, n // COLUMNS))
