@@ -61,6 +61,13 @@ def _row_at(doc: dict | None, rate) -> dict | None:
   return next((r for r in doc["results"] if str(r["rate"]) == str(rate)), None)
 
 
+def quiet_of(run: str) -> str | None:
+  """The quiet run a thrasher run is compared with: int32 -> quiet, s49_int32 -> s49_quiet
+  (a TAG's runs), int32_unpinned -> quiet; None for a quiet or single run."""
+  m = re.fullmatch(r"(.+_)?int\d+(_unpinned)?", run)
+  return f"{m.group(1) or ''}quiet" if m else None
+
+
 def serving_table(docs: dict, shape: str) -> list[str]:
   runs = sorted({run for (s, _, run) in docs if s == shape and run != "single"},
                 key=lambda r: (r != "quiet", r))
@@ -78,9 +85,9 @@ def serving_table(docs: dict, shape: str) -> list[str]:
         r = _row_at(docs.get((shape, server, run)), rate)
         if r is None:
           continue
-        q = _row_at(docs.get((shape, server, "quiet")), rate)
+        q = _row_at(docs.get((shape, server, quiet_of(run) or "")), rate)
         ratio = "-"
-        if run != "quiet" and q:
+        if q:
           ratio = (f"{r['ttft_ms_p99'] / q['ttft_ms_p99']:.2f}, "
                    f"{r['tpot_ms_p99'] / q['tpot_ms_p99']:.2f}")
         label = "all at once" if rate == "inf" else f"{float(rate):g}"

@@ -98,6 +98,10 @@ def test_serving_report_puts_the_servers_side_by_side(tmp_path):
   table = SR.serving_table(docs, "gemma3-1b")
   assert len(table) == 2 + 4 and "| 8 | int32 | blink persistent | 3,000 |" in table[4]
   assert table[4].endswith("| 1.10, 1.10 |")  # interference over quiet, P99 TTFT and TPOT
+  # A TAG's thrasher run is compared with the same TAG's quiet run.
+  assert [SR.quiet_of(r) for r in ("int32", "s49_int32", "int32_unpinned", "quiet",
+                                   "s49_quiet", "single")] == [
+                                       "quiet", "s49_quiet", "quiet", None, None, None]
   ratios = SR.vs_vllm(docs, "gemma3-1b")
   # vLLM's P99 over ours (>1: ours lower), our tokens/s over vLLM's, energy saved.
   assert "| 8 | quiet | 0.50x | 2.00x | 1.50x | +50 % |" in ratios
