@@ -2,7 +2,7 @@
 
 Validation is strict on the fields we implement (a wrong type or an out-of-range value is a 400
 naming the field, in OpenAI's error schema) and explicit about the ones we do not: a field that
-would change the output (penalties, logit_bias, n > 1, echo, tools, ...) is rejected with a 400
+would change the output (penalties, logit_bias, echo, tools, ...) is rejected with a 400
 instead of being silently ignored. Unknown fields are ignored, as vLLM does.
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ MAX_STOP_STRING_CHARS = 512
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 MAX_PROMPTS = 64
+MAX_CHOICES = 64      # choices of one request: prompts x n, each a sequence of its own
 MAX_SEED = (1 << 64) - 1
 
 
@@ -85,10 +86,12 @@ class Limits:
 
 @dataclasses.dataclass
 class GenRequest:
-  """A validated request: one or more prompts (token ids) and the sampling of each."""
+  """A validated request: one or more prompts (token ids), n choices of each, and their
+  sampling. Choice i is choice i % n of prompt i // n (OpenAI's `index` of a choice)."""
   kind: str                      # "completion" | "chat"
   model: str
   prompts: list[list[int]]
+  n: int
   max_tokens: list[int]          # per prompt
   temperature: float
   top_p: float
@@ -104,13 +107,27 @@ class GenRequest:
   include_usage: bool
   user: str | None = None
 
+  @property
+  def num_choices(self) -> int:
+    return len(self.prompts) * self.n
+
   def slot_request(self, i: int, request_id: int = 0) -> mailbox.Request:
-    return mailbox.Request(prompt=self.prompts[i], max_tokens=self.max_tokens[i],
+    """Choice i's request; its seed is `choice_seed(seed, i % n)`."""
+    p = i // self.n
+    return mailbox.Request(prompt=self.prompts[p], max_tokens=self.max_tokens[p],
                      temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                     seed=self.seed, stop_ids=tuple(self.stop_token_ids),
+                     seed=choice_seed(self.seed, i % self.n),
+                     stop_ids=tuple(self.stop_token_ids),
                      num_logprobs=self.top_logprobs if self.logprobs else 0,
                      logprobs=self.logprobs, ignore_eos=self.ignore_eos,
                      request_id=request_id)
+
+
+def choice_seed(seed: int, j: int) -> int:
+  """The seed of a prompt's choice j: the request's seed for the first (so choice 0 of n is
+  what n = 1 returns with that seed), then steps of the 64-bit golden ratio, so the choices
+  sample apart and a seeded request repeats all of them."""
+  return (seed + j * 0x9E3779B97F4A7C15) & MAX_SEED
 
 
 # ---- the request fields ---------------------------------------------------------------------
@@ -130,7 +147,10 @@ class Field:
 
 COMMON_FIELDS: dict[str, Field] = {
     "model": Field("string", description="one of the served model names (default: the first)"),
-    "n": Field("integer", 1, 1, 1, description="choices per prompt: only 1 is supported"),
+    "n": Field("integer", 1, 1, MAX_CHOICES,
+               description=f"choices per prompt, each sampled on its own (with a seed, "
+                           f"reproducibly); at most {MAX_CHOICES} choices per request in all "
+                           f"(prompts x n)"),
     "stream": Field("boolean", False, description="stream the response as server-sent events"),
     "temperature": Field("number", 1.0, 0.0, 2.0),
     "top_p": Field("number", 1.0, 0.0, 1.0, exclusive_minimum=True),
@@ -422,11 +442,8 @@ def _common(body: dict, limits: Limits, kind: str) -> dict:
   model = _model(body, limits)
   nf = COMMON_FIELDS["n"]
   n = _int(body, "n", nf.default)
-  if n < nf.minimum:
-    raise bad("n", f"'n' must be >= {nf.minimum}, got {n}")
-  if n > nf.maximum:
-    raise bad("n", "'n' > 1 is not supported by this server; send n separate requests",
-              "unsupported_parameter")
+  if not nf.minimum <= n <= nf.maximum:
+    raise bad("n", f"'n' must be between {nf.minimum} and {nf.maximum}, got {n}")
   stream = _read(body, "stream")
   opts = body.get("stream_options")
   include_usage = False
@@ -463,7 +480,7 @@ def _common(body: dict, limits: Limits, kind: str) -> dict:
   mct = _read(body, "max_completion_tokens")
   if mct is not None:
     max_tokens = mct
-  return dict(kind=kind, model=model, temperature=temperature, top_p=top_p, top_k=top_k,
+  return dict(kind=kind, model=model, n=n, temperature=temperature, top_p=top_p, top_k=top_k,
               seed=seed & MAX_SEED, seed_given=seed_given, stop=stop, stop_token_ids=stop_ids,
               ignore_eos=ignore_eos, stream=stream, include_usage=include_usage, user=user,
               max_tokens=max_tokens)
@@ -515,6 +532,9 @@ def parse_completion(body: Any, limits: Limits, tokenizer) -> GenRequest:
   if "prompt" not in body or body["prompt"] is None:
     raise bad("prompt", "'prompt' is required", "missing_required_parameter")
   prompts = _prompts(body["prompt"], limits, tokenizer)
+  if len(prompts) * c["n"] > MAX_CHOICES:
+    raise bad("n", f"{len(prompts)} prompts x n = {c['n']} is {len(prompts) * c['n']} choices; "
+                   f"at most {MAX_CHOICES} per request")
   lp = body.get("logprobs")
   if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int)):
     raise bad("logprobs", f"'logprobs' must be an integer, got {_type_name(lp)}",

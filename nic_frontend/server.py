@@ -485,7 +485,7 @@ class Frontend:
   async def _submit_all(self, gen: api.GenRequest) -> list[Flight]:
     flights: list[Flight] = []
     try:
-      for i in range(len(gen.prompts)):
+      for i in range(gen.num_choices):
         req = gen.slot_request(i, self.driver.new_request_id())
         flights.append(await self.driver.submit(req))
     except BaseException as e:
@@ -555,8 +555,7 @@ class _Run:
       self.abandon_reason = "stop_string"
     prompt = sum(len(p) for p in self.gen.prompts)
     # Each prompt runs once per choice (n): its cached tokens are the mean over its choices.
-    per_prompt = max(1, len(self.choices) // max(1, len(self.gen.prompts)))
-    cached = sum(c.cached_tokens for c in self.choices) // per_prompt
+    cached = sum(c.cached_tokens for c in self.choices) // self.gen.n
     return api.usage(prompt, completion, min(cached, prompt))
 
   async def _step(self, c: _Choice):

@@ -319,6 +319,37 @@ def test_stream_several_prompts(stack):
     assert mine[-1]["finish_reason"] == "length"
 
 
+def test_n_choices_per_prompt(stack):
+  """n samples each prompt n times: choice i*n + j is prompt i's j-th, each in a slot of its
+  own with seed choice_seed(seed, j) (choice 0 keeps the request's seed); the prompt's tokens
+  count once in the usage, every choice's completion tokens count."""
+  c = stack.client()
+  prompts = ["first prompt here", "second"]
+  r = c.completions.create(model=MODEL, prompt=prompts, n=3, max_tokens=7, seed=77,
+                           temperature=0.8, extra_body={"ignore_eos": True})
+  assert [ch.index for ch in r.choices] == list(range(6))
+  for ch in r.choices:
+    assert ch.text == stack.expected(stack.prompt_len(prompts[ch.index // 3]), 7, True)[0]
+  plens = [stack.prompt_len(p) for p in prompts]
+  assert r.usage.prompt_tokens == sum(plens) and r.usage.completion_tokens == 6 * 7
+  for i, p in enumerate(prompts):
+    ids = stack.tok.encode(p, add_bos=True)
+    seeds = sorted(q["seed"] for q in stack.device.requests if q["prompt"] == ids)
+    assert seeds == sorted(api.choice_seed(77, j) for j in range(3))
+  assert api.choice_seed(77, 0) == 77 and len({api.choice_seed(77, j) for j in range(64)}) == 64
+  # Chat, streamed: every choice's role chunk, text and finish, told apart by index.
+  events = _sse(stack, "/v1/chat/completions", {
+      "model": MODEL, "n": 2, "max_tokens": 5, "stream": True, "ignore_eos": True,
+      "stream_options": {"include_usage": True},
+      "messages": [{"role": "user", "content": "two answers"}]})
+  for j in range(2):
+    mine = [ch for e in events for ch in e["choices"] if ch["index"] == j]
+    assert mine[0]["delta"].get("role") == "assistant"
+    assert mine[-1]["finish_reason"] == "length"
+    assert "".join(ch["delta"].get("content") or "" for ch in mine)
+  assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 10
+
+
 # ---- stop strings ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("stop", ["STOP", ["zzz", "brûlée"], "é ser", "🎉"])
@@ -506,8 +537,10 @@ BAD = [
     ("top-p-big", "/v1/completions", {**OK_C, "top_p": 1.5}, 400, "top_p", None),
     ("top-k-neg", "/v1/completions", {**OK_C, "top_k": -2}, 400, "top_k", None),
     ("top-k-float", "/v1/completions", {**OK_C, "top_k": 2.5}, 400, "top_k", None),
-    ("n-2", "/v1/completions", {**OK_C, "n": 2}, 400, "n", "unsupported_parameter"),
     ("n-0", "/v1/chat/completions", {**OK_CHAT, "n": 0}, 400, "n", None),
+    ("n-big", "/v1/chat/completions", {**OK_CHAT, "n": api.MAX_CHOICES + 1}, 400, "n", None),
+    ("n-times-prompts", "/v1/completions", {**OK_C, "prompt": ["a", "b", "c"], "n": 22}, 400,
+     "n", None),
     ("seed-type", "/v1/completions", {**OK_C, "seed": "x"}, 400, "seed", None),
     ("logprobs-big", "/v1/completions", {**OK_C, "logprobs": 10}, 400, "logprobs", None),
     ("logprobs-bool", "/v1/completions", {**OK_C, "logprobs": True}, 400, "logprobs", None),
@@ -616,7 +649,7 @@ def test_http_level_errors(stack):
   # Bad or missing API key on /v1; /health and /metrics stay open.
   for headers in ({"Authorization": "Bearer wrong"}, {"Authorization": "Basic abc"}, {}):
     s, h, b = stack.http("POST", "/v1/completions", OK_C, headers=headers, auth=False)
-    err = _check_error(s, h, b, 401, code="invalid_api_key")
+    _check_error(s, h, b, 401, code="invalid_api_key")
   # A key of bytes that are not UTF-8 (http.client sends header values as latin-1): a wrong
   # key, not a 500.
   conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
@@ -649,7 +682,7 @@ def test_503_when_slots_and_queue_are_full(stack, device_control):
     wait_until(lambda: stack.metric("blink_frontend_slots_in_use", worker="0") == n, 20,
                what="all slots in use")
     s, h, b = stack.http("POST", "/v1/completions", OK_C)
-    err = _check_error(s, h, b, 503, code="queue_full")
+    _check_error(s, h, b, 503, code="queue_full")
     assert h.get("Retry-After") == "1"
     with pytest.raises(openai.InternalServerError):
       stack.client().completions.create(**OK_C)

@@ -105,6 +105,24 @@ def test_stream_equals_non_stream_and_seeds_reproduce(tiny_stack):
   assert engine.stats()["pages_in_use"] == 0
 
 
+def test_n_choices_sample_apart_and_reproduce(tiny_stack):
+  # n = 3 sampled choices of one prompt: the first is what n = 1 gives with the same seed, the
+  # three differ from each other, and the same seeded request repeats all three.
+  _, _, engine, client = tiny_stack
+  kw = dict(model="tiny-real", prompt="once upon a time", max_tokens=12, temperature=1.0,
+            seed=11, extra_body={"ignore_eos": True})
+  one = client.completions.create(**kw).choices[0].text
+  a = client.completions.create(n=3, **kw)
+  b = client.completions.create(n=3, **kw)
+  texts = [ch.text for ch in a.choices]
+  assert [ch.index for ch in a.choices] == [0, 1, 2] and texts[0] == one
+  assert len(set(texts)) == 3 and texts == [ch.text for ch in b.choices]
+  assert a.usage.completion_tokens == 36
+  greedy = client.completions.create(n=2, **{**kw, "temperature": 0})
+  assert greedy.choices[0].text == greedy.choices[1].text
+  assert engine.stats()["pages_in_use"] == 0
+
+
 def test_chat_and_bad_input_keep_serving(tiny_stack):
   _, _, engine, client = tiny_stack
   r = client.chat.completions.create(model="tiny-real", max_tokens=5,
