@@ -19,12 +19,6 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def host_buffer(nbytes: int) -> np.ndarray:
-  """Page-aligned shared memory (cudaHostRegister takes whole pages), as uint8."""
-  from blink_jax.client import mapping
-  return mapping.map_memory(nbytes)
-
-
 def device_mailbox(region, nbytes: int):
   """(address the device uses, release function): host-mapped on a GPU, plain on CPU."""
   import jax

@@ -22,6 +22,7 @@ from jax import lax
 from blink_jax.native import batch as B
 from blink_jax.native import ffi as F
 from blink_jax.client import mailbox as M
+from blink_jax.client import mapping
 from blink_jax.client import protocol as P
 from blink_jax.executor import xla_flags
 from bench import common as C
@@ -108,7 +109,7 @@ def measure(lanes: int, slots: int, seconds: float, repeats: int, interference: 
   else:
     ctx, ps, ring = 1 << 16, 64, 64  # long contexts: requests rarely finish (resubmitted)
   geo = P.Geometry(slots, 16, ring, 0)
-  engine_region = M.LocalRegion(C.host_buffer(geo.total_bytes))
+  engine_region = M.LocalRegion(mapping.map_memory(geo.total_bytes))
   M.init_header(engine_region, geo, vocab_size=32000, max_context=ctx, num_workers=1, eos_id=1)
   if on_device:
     from blink_jax.native.device_region import DeviceRegion

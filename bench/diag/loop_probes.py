@@ -86,8 +86,8 @@ class _Mailbox:
   restores it before every timed run (each run starts from the same initial carry)."""
 
   def __init__(self, geo, vocab: int, max_context: int, batch: int, prompt: int, where: str):
-    from blink_jax.client import mailbox as M
-    image = M.LocalRegion(C.host_buffer(geo.total_bytes))
+    from blink_jax.client import mailbox as M, mapping
+    image = M.LocalRegion(mapping.map_memory(geo.total_bytes))
     M.init_header(image, geo, vocab_size=vocab, max_context=max_context, num_workers=1, eos_id=1)
     client = M.MailboxClient(image)
     rng = np.random.default_rng(0)
@@ -100,7 +100,7 @@ class _Mailbox:
       self.region = DeviceRegion(geo.total_bytes)
       self.address, self.free = self.region.address, self.region.free
     else:
-      self.host = M.LocalRegion(C.host_buffer(geo.total_bytes))
+      self.host = M.LocalRegion(mapping.map_memory(geo.total_bytes))
       self.address, self.free = C.device_mailbox(self.host, geo.total_bytes)
     self.reset()
 

@@ -112,7 +112,7 @@ def step_kernels(cfg, options: KernelOptions, rows: int, *, interpret: bool) -> 
     kernels["out_project"] = use(cuda_gemv.out_project)
   if not interpret:
     kernels["thresholds"] = use(cuda_sampler.thresholds)
-  if interpret:  # not on a GPU
+  else:  # not on a GPU
     kernels.setdefault("qkv_matmul", cpu_matmul.matmul)
     kernels.setdefault("gate_up_matmul", cpu_matmul.matmul)
     kernels.setdefault("out_project", cpu_matmul.out_project)
