@@ -689,21 +689,30 @@ def test_serving_stops_on_a_stalled_engine(tokenizer_path, tmp_path):
 
     async def main():
       async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        # Paced so the request is still running when the device pauses, however slowly this
+        # process gets the first event (240 tokens at full speed can all be out by then).
+        engine.device.step_delay_s = 0.02
         started = asyncio.Event()
         task = asyncio.create_task(_stream(session, srv, LONG, started))
         await asyncio.wait_for(started.wait(), 10)
         engine.device.pause()
         import threading
+        give_up = threading.Event()  # a watch that never fires fails the test, not hangs it
+        timer = threading.Timer(20, give_up.set)
+        timer.start()
         t0 = time.monotonic()
-        failure = await asyncio.get_running_loop().run_in_executor(
-            None, serving.supervise, threading.Event())
+        try:
+          failure = await asyncio.get_running_loop().run_in_executor(
+              None, serving.supervise, give_up)
+        finally:
+          timer.cancel()
         took = time.monotonic() - t0
         await asyncio.get_running_loop().run_in_executor(None, serving.stop)
         return failure, took, time.monotonic() - t0, await task
 
     failure, took, stopped, out = asyncio.run(main())
     print(f"serve-side stall: noticed after {took:.2f}s, stopped after {stopped:.2f}s")
-    assert "no progress" in failure and 0.9 <= took < 2.5
+    assert failure is not None and "no progress" in failure and 0.9 <= took < 2.5, (failure, took)
     assert stopped < took + 4  # not grace_s: the workers end the request at once
     assert out.events[-1] == "[DONE]" and "error" in out.events[-2]
   finally:
