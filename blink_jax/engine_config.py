@@ -165,9 +165,10 @@ class EngineConfig:
                                 "at most max_context worth for every sequence); on a CPU "
                                 "max_context worth for every sequence).")
   kv_cache_memory_fraction: float | None = _field(
-      None, "Share of the GPU memory XLA may use (memory_stats' bytes_limit) that the "
-      "weights, the step's workspace and the KV cache may take when kv_pages is not given, "
-      "like vLLM's --gpu-memory-utilization (default: 0.9 on a GPU; unused on a CPU).")
+      None, "Share of the GPU's memory that the weights, the step's workspace and the KV "
+      "cache may take when kv_pages is not given, like vLLM's --gpu-memory-utilization "
+      "(default: 0.9 on a GPU; unused on a CPU). The engine makes XLA's allocator pool that "
+      "share of the device when it starts JAX (XLA_PYTHON_CLIENT_MEM_FRACTION, unless set).")
   page_size: int = _field(16, "Tokens per KV page.")
   max_context: int | None = _field(None, "Context length served (default: the model's, at "
                                    "most 4096).")
@@ -398,7 +399,7 @@ class EngineConfig:
     if memory is not None:
       f = self.kv_cache_memory_fraction
       room = _room(memory, f) // memory.page_bytes
-      why = (f"{f} of {_gib(memory.bytes_limit)}: weights {_gib(memory.bytes_in_use)}, "
+      why = (f"{f} of {_of(memory)}: weights {_gib(memory.bytes_in_use)}, "
              f"workspace {_gib(memory.workspace_bytes)}, "
              + (f"window rings {_gib(memory.ring_bytes)}, " if memory.ring_bytes else "")
              + f"{_gib(self.kv_pages * memory.page_bytes)} of KV")
@@ -418,14 +419,21 @@ class DeviceMemory:
   """The GPU figures the engine sizes the KV cache from (`kv_pages_for_memory`), kept for
   the startup log: what XLA's allocator may use (memory_stats' bytes_limit), what is in use
   once the weights are loaded, the reserve for the step's temporaries, one page's bytes,
-  with windowed pages the sliding-window layers' rings (their size is fixed by max_seqs), and
-  the most pages a layer's cache may have (`gemma.max_kv_pages`; None: no bound)."""
+  with windowed pages the sliding-window layers' rings (their size is fixed by max_seqs),
+  the most pages a layer's cache may have (`gemma.max_kv_pages`; None: no bound), and the
+  device's whole memory (None: bytes_limit is all of it)."""
   bytes_limit: int
   bytes_in_use: int
   workspace_bytes: int
   page_bytes: int
   ring_bytes: int = 0
   max_pages: int | None = None
+  device_bytes: int | None = None
+
+  def budget(self, fraction: float) -> int:
+    """What the weights, the workspace and the KV cache may take: `fraction` of the device,
+    as far as XLA's pool holds it."""
+    return min(self.bytes_limit, int((self.device_bytes or self.bytes_limit) * fraction))
 
 
 def full_context_pages(max_context: int, page_size: int, max_seqs: int) -> int:
@@ -437,31 +445,40 @@ def _gib(n: int) -> str:
   return f"{n / 2**30:.1f} GiB"
 
 
+def _of(m: DeviceMemory) -> str:
+  """The memory a fraction is taken of, for messages: the device, and XLA's pool if smaller."""
+  if m.device_bytes is None or m.device_bytes <= m.bytes_limit:
+    return _gib(m.device_bytes or m.bytes_limit)
+  return f"{_gib(m.device_bytes)} (XLA's pool {_gib(m.bytes_limit)})"
+
+
 def _room(m: DeviceMemory, fraction: float) -> int:
   """Bytes left for the KV cache (negative when the weights and workspace alone overflow)."""
-  return int(m.bytes_limit * fraction) - m.bytes_in_use - m.workspace_bytes - m.ring_bytes
+  return m.budget(fraction) - m.bytes_in_use - m.workspace_bytes - m.ring_bytes
 
 
 def kv_pages_for_memory(*, bytes_limit: int, bytes_in_use: int, workspace_bytes: int,
                         page_bytes: int, fraction: float, max_seqs: int, max_context: int,
                         page_size: int, prefix_caching: bool, ring_bytes: int = 0,
-                        max_pages: int | None = None) -> int:
-  """KV pages for a GPU, as vLLM sizes its cache: what fits in `fraction` of `bytes_limit`
-  beside the `bytes_in_use` (the weights) and the step's `workspace_bytes`, in whole pages of
+                        max_pages: int | None = None, device_bytes: int | None = None) -> int:
+  """KV pages for a GPU, as vLLM sizes its cache: what fits in `fraction` of the device's
+  `device_bytes` (at most XLA's pool, `bytes_limit`; None: the pool is the device) beside the
+  `bytes_in_use` (the weights) and the step's `workspace_bytes`, in whole pages of
   `page_bytes`. Without prefix caching no more than max_seqs sequences of max_context tokens
   can hold, since more would never be used; with it the pages past those keep finished
   requests' prefixes for later hits, as vLLM's cache does (docs/ARCHITECTURE.md, "Prefix
   caching"), up to PREFIX_CACHE_PAGES_FACTOR times as many. Never more than `max_pages`, the
   most a layer's cache may have (`gemma.max_kv_pages`). Raises ValueError, with the figures,
   when not one max_context fits."""
-  m = DeviceMemory(bytes_limit, bytes_in_use, workspace_bytes, page_bytes, ring_bytes)
+  m = DeviceMemory(bytes_limit, bytes_in_use, workspace_bytes, page_bytes, ring_bytes,
+                   device_bytes=device_bytes)
   room = _room(m, fraction)
   per_seq = full_context_pages(max_context, page_size, 1)
   pages = max(room, 0) // page_bytes
   if pages < per_seq:
     raise ValueError(
         f"the KV cache does not fit: kv_cache_memory_fraction {fraction} of "
-        f"{_gib(bytes_limit)} ({bytes_limit} bytes) less {_gib(bytes_in_use)} in use (the "
+        f"{_of(m)} ({m.budget(fraction)} bytes) less {_gib(bytes_in_use)} in use (the "
         f"weights), {_gib(workspace_bytes)} of step workspace and {_gib(ring_bytes)} of window "
         f"rings leaves {pages} pages of "
         f"{page_bytes} bytes; one sequence of max_context={max_context} needs {per_seq} "

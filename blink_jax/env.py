@@ -16,6 +16,7 @@ module of blink_jax or nic_frontend touches `os.environ`.
 | BLINK_RELAY_TOKEN | the tcp relay's shared secret, handed by `serve.py` to its frontend workers |
 | PROMETHEUS_MULTIPROC_DIR | prometheus-client's folder for metrics of several frontend workers |
 | XLA_FLAGS, TF_CPP_VMODULE, TF_CPP_MIN_LOG_LEVEL | XLA's own: set by `xla_flags.configure_command_buffers` before JAX starts |
+| XLA_PYTHON_CLIENT_MEM_FRACTION | JAX's: the share of each GPU its allocator's pool takes (JAX's default 0.75). Set by `xla_flags.configure_memory_pool` before JAX starts to the engine's `kv_cache_memory_fraction` (0.9) when not set already; set it yourself and the engine sizes its cache within your pool |
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ PROMETHEUS_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
 XLA_FLAGS = "XLA_FLAGS"
 TF_CPP_VMODULE = "TF_CPP_VMODULE"
 TF_CPP_MIN_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"
+MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 
 
 def get(name: str, default: str | None = None) -> str | None:

@@ -142,17 +142,63 @@ def _engine(stats, **config):
   return Engine, eng
 
 
-def test_the_engine_sizes_the_cache_from_the_devices_figures():
+def test_the_fraction_is_of_the_device_as_far_as_xlas_pool_holds():
+  """vLLM's --gpu-memory-utilization is a share of the device; XLA's pool (bytes_limit) may
+  be a smaller share of it (JAX's default 0.75), and then bounds what the cache gets."""
+  pool = dict(bytes_limit=75 * GiB, device_bytes=100 * GiB)
+  assert pages(0.5, **pool) == pages(0.5) == 47_616  # 50 GiB of the device: inside the pool
+  assert pages(0.9, prefix_caching=True, **pool) == 75 * 1024 - 3584  # the pool binds
+  at = dataclasses.replace(EngineConfig().resolved(32768, "gpu"), kv_pages=73_216)
+  line = at.describe(dataclasses.replace(MEM, **pool))
+  assert line.startswith("capacity: 256 sequences, 73216 KV pages (0.9 of 100.0 GiB (XLA's "
+                         "pool 75.0 GiB): weights 2.0 GiB, workspace 1.5 GiB, 71.5 GiB of "
+                         "KV; "), line
+  with pytest.raises(ValueError, match=r"0.0364 of 100.0 GiB \(XLA's pool 75.0 GiB\)"):
+    pages(0.0364, **pool)
+
+
+def test_the_engine_makes_xlas_pool_the_fraction_of_the_device(monkeypatch):
+  """Before JAX starts on a GPU the engine sets XLA_PYTHON_CLIENT_MEM_FRACTION to the
+  config's fraction, unless the user set it; after, it leaves the pool as it is."""
+  from blink_jax import env
+  from blink_jax.executor import xla_flags
+  monkeypatch.setenv(env.MEM_FRACTION, "x")
+  monkeypatch.delenv(env.MEM_FRACTION)  # restored to unset after the test
+  started, plugin = [False], [True]
+  monkeypatch.setattr(xla_flags, "backend_started", lambda: started[0])
+  monkeypatch.setattr(xla_flags, "cuda_plugin_installed", lambda: plugin[0])
+  plugin[0] = False  # a CPU: nothing to size
+  assert xla_flags.configure_memory_pool(0.9) == 0.75 and env.get(env.MEM_FRACTION) is None
+  plugin[0], started[0] = True, True  # too late: JAX's default pool
+  assert xla_flags.configure_memory_pool(0.9) == 0.75 and env.get(env.MEM_FRACTION) is None
+  started[0] = False
+  assert xla_flags.configure_memory_pool(0.9) == 0.9 and env.get(env.MEM_FRACTION) == "0.9"
+  assert xla_flags.configure_memory_pool(0.5) == 0.9  # set already: left alone
+  monkeypatch.setenv(env.MEM_FRACTION, "0.95")  # the user's
+  assert xla_flags.configure_memory_pool(0.9) == 0.95 and env.get(env.MEM_FRACTION) == "0.95"
+  for bad in ("abc", "0", "1.5"):
+    monkeypatch.setenv(env.MEM_FRACTION, bad)
+    assert xla_flags.pool_fraction() == 0.75
+
+
+def test_the_engine_sizes_the_cache_from_the_devices_figures(monkeypatch):
+  from blink_jax import env
+  monkeypatch.setenv(env.MEM_FRACTION, "1")  # the pool is the whole device
   Engine, eng = _engine({"bytes_limit": 100 * GiB, "bytes_in_use": 2 * GiB, "peak": 1},
                         kv_cache_memory_fraction=0.5)
-  assert Engine._size_kv_cache(eng) == MEM
+  assert Engine._size_kv_cache(eng) == dataclasses.replace(MEM, device_bytes=100 * GiB)
   assert eng.config.kv_pages == eng.sched.num_pages == eng.executor.sched.num_pages == 47_616
+  monkeypatch.delenv(env.MEM_FRACTION)  # JAX's default: the pool is 0.75 of the device
+  Engine, eng = _engine({"bytes_limit": 75 * GiB, "bytes_in_use": 2 * GiB},
+                        kv_cache_memory_fraction=0.5)
+  assert Engine._size_kv_cache(eng).device_bytes == 100 * GiB
+  assert eng.config.kv_pages == 47_616  # half the device, not half the pool
   Engine, eng = _engine(None)
   with pytest.raises(ValueError, match="reports no memory figures.*set kv_pages"):
     Engine._size_kv_cache(eng)
 
 
-def test_a_layers_cache_stays_within_32_bit_offsets():
+def test_a_layers_cache_stays_within_32_bit_offsets(monkeypatch):
   """The pages are capped where a layer's kv_pages array would pass 2**31 elements, which
   the Pallas kernels cannot address; the startup line names that bound."""
   from blink_jax.model.config import get_config
@@ -164,6 +210,8 @@ def test_a_layers_cache_stays_within_32_bit_offsets():
   assert pages(0.9, prefix_caching=False, max_pages=70_000) == 65_536  # the other cap first
   with pytest.raises(ValueError, match="max_context=4096 needs 256 KV pages, more than the 255"):
     pages(0.9, max_pages=255)
+  from blink_jax import env
+  monkeypatch.setenv(env.MEM_FRACTION, "1")
   Engine, eng = _engine({"bytes_limit": 100 * GiB, "bytes_in_use": 2 * GiB})
   eng.executor.max_pages = 50_000
   memory = Engine._size_kv_cache(eng)
@@ -214,3 +262,26 @@ def test_kv_pages_past_the_bound_are_refused_before_anything_is_allocated():
   with pytest.raises(ValueError, match=f"kv_pages {bound + 1} exceeds {bound}, the most pages"):
     Engine(model, None, max_seqs=2, page_size=4, max_context=32, num_slots=4,
            kv_pages=bound + 1)
+
+
+def test_from_checkpoint_sizes_the_pool_from_its_config_before_jax_starts(monkeypatch):
+  """The config (validated first) gives the pool its share: the fraction asked for, or the
+  GPU default."""
+  from blink_jax.engine import engine as engine_mod
+  seen = []
+
+  class Stop(Exception):
+    pass
+
+  def configure(fraction):
+    seen.append(fraction)
+    raise Stop
+
+  monkeypatch.setattr(engine_mod, "configure_memory_pool", configure)
+  for kw, want in (({"kv_cache_memory_fraction": 0.6}, 0.6), ({}, 0.9)):
+    with pytest.raises(Stop):
+      engine_mod.Engine.from_checkpoint("random:gemma3-270m", **kw)
+    assert seen.pop() == want
+  with pytest.raises(ValueError, match="kv_cache_memory_fraction must be in"):
+    engine_mod.Engine.from_checkpoint("random:gemma3-270m", kv_cache_memory_fraction=2)
+  assert not seen  # refused before anything was configured

@@ -595,16 +595,18 @@ def test_driver_stall_fails_requests_and_recovers(tokenizer_path):
     opts = DriverOptions(engine_stall_s=0.5, max_queued_requests=2)
     dc = FD.DeviceConfig(num_slots=1)
     async with _driver_world(tokenizer_path, dc, opts) as (fake, d):
+      fake.device.step_delay_s = 0.01  # 500 tokens take 5 s: still running at the pause
       running = await d.submit(M.Request(prompt=[2], max_tokens=500, ignore_eos=True))
-      fake.device.step_delay_s = 0.01
       queued = asyncio.create_task(d.submit(M.Request(prompt=[2], max_tokens=2)))
       await asyncio.sleep(0.1)
       assert d.queued == 1 and not d.stalled
       fake.device.pause()
       t0 = time.monotonic()
-      with pytest.raises(EngineUnavailable) as e:
+      async def drain():
         while True:
           await running.next()
+      with pytest.raises(EngineUnavailable) as e:
+        await asyncio.wait_for(drain(), 10)  # a finished request would wait forever
       took = time.monotonic() - t0
       assert e.value.code == "engine_stalled" and d.stalled
       assert 0.4 <= took < 1.2, took

@@ -20,10 +20,11 @@ import numpy as np
 
 from blink_jax.client import mailbox, mapping, protocol, shm
 from blink_jax.client.streaming import ChoiceDecoder, DeviceError
-from blink_jax.engine_config import (DeviceMemory, EngineConfig, full_context_pages,
-                                     kv_pages_for_memory)
+from blink_jax.engine_config import (GPU_MEMORY_FRACTION, DeviceMemory, EngineConfig,
+                                     full_context_pages, kv_pages_for_memory)
 from blink_jax.executor import compilation_cache
-from blink_jax.executor.xla_flags import configure_command_buffers
+from blink_jax.executor.xla_flags import (configure_command_buffers, configure_memory_pool,
+                                          pool_fraction)
 
 log = logging.getLogger("blink_jax.engine")
 
@@ -261,10 +262,13 @@ class Engine:
     stats = self.device.memory_stats() or {}
     if "bytes_limit" not in stats:
       raise ValueError(f"{self.device} reports no memory figures (memory_stats): set kv_pages")
-    memory = DeviceMemory(bytes_limit=int(stats["bytes_limit"]),
-                          bytes_in_use=int(stats.get("bytes_in_use", 0)),
+    # The pool is pool_fraction() of the device (configure_memory_pool made it the config's
+    # fraction unless JAX had started or the user chose): the fraction is of the device.
+    limit = int(stats["bytes_limit"])
+    memory = DeviceMemory(bytes_limit=limit, bytes_in_use=int(stats.get("bytes_in_use", 0)),
                           workspace_bytes=ex.workspace_bytes, page_bytes=ex.page_bytes,
-                          ring_bytes=ex.ring_bytes, max_pages=ex.max_pages)
+                          ring_bytes=ex.ring_bytes, max_pages=ex.max_pages,
+                          device_bytes=int(limit / pool_fraction()))
     pages = kv_pages_for_memory(**dataclasses.asdict(memory),
                                 fraction=c.kv_cache_memory_fraction, max_seqs=c.max_seqs,
                                 max_context=c.max_context, page_size=c.page_size,
@@ -335,7 +339,11 @@ class Engine:
     """A checkpoint by catalog name or path, or `random:<config>` (random weights in a known
     shape, for benchmarks; the tokenizer comes from `tokenizer_path` if given). `kw`: the
     keywords of `Engine` (config, region, shm_name, ..., EngineConfig fields)."""
+    # The config is made (and validated) before JAX starts and any weights load.
+    overrides = {k: kw.pop(k) for k in list(kw) if k not in _ENGINE_KEYWORDS}
+    kw["config"] = config = EngineConfig.from_kwargs(kw.get("config"), **overrides)
     configure_command_buffers()
+    configure_memory_pool(config.kv_cache_memory_fraction or GPU_MEMORY_FRACTION)
     import jax.numpy as jnp
 
     from blink_jax.model.gemma import Gemma
@@ -344,9 +352,6 @@ class Engine:
     dtypes = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
     if dtype not in dtypes:
       raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
-    # The config is made (and validated) before any weights load.
-    overrides = {k: kw.pop(k) for k in list(kw) if k not in _ENGINE_KEYWORDS}
-    kw["config"] = EngineConfig.from_kwargs(kw.get("config"), **overrides)
     if str(name_or_path).startswith("random:"):
       from flax import nnx
 

@@ -73,6 +73,34 @@ def backend_started() -> bool:
     return False
 
 
+# The share of each GPU JAX's allocator pool takes when XLA_PYTHON_CLIENT_MEM_FRACTION is not
+# set (JAX's documented default).
+JAX_POOL_FRACTION = 0.75
+
+
+def pool_fraction() -> float:
+  """The share of the GPU that XLA's allocator pool is (`memory_stats()["bytes_limit"]`)."""
+  value = env.get(env.MEM_FRACTION)
+  try:
+    f = float(value) if value else JAX_POOL_FRACTION
+  except ValueError:
+    return JAX_POOL_FRACTION
+  return f if 0 < f <= 1 else JAX_POOL_FRACTION
+
+
+def configure_memory_pool(fraction: float) -> float:
+  """Makes XLA's allocator pool `fraction` of each GPU (XLA_PYTHON_CLIENT_MEM_FRACTION), as
+  vLLM's --gpu-memory-utilization takes that share of the device for the weights, the step
+  and the KV cache; JAX's own default pool is 0.75 of it, which left the cache 0.675 of the
+  device at a 0.9 fraction (docs/ARCHITECTURE.md, "The engine around the loop"). Left alone
+  when the variable is set already (the user's choice) or JAX's backend has started. Returns
+  the pool's share of the device as JAX will use it."""
+  if (cuda_plugin_installed() and env.get(env.MEM_FRACTION) is None
+      and not backend_started()):
+    env.set(env.MEM_FRACTION, f"{fraction:g}")
+  return pool_fraction()
+
+
 def configure_command_buffers() -> bool:
   """Adds the command-buffer flags to XLA_FLAGS; returns whether they will take effect."""
   if not cuda_plugin_installed() or env.command_buffers_disabled():
