@@ -121,3 +121,34 @@ def test_gpu_windowed_pages_tokens_equal_cpu_full_pages():
                                                              sampling=sp)]
       assert eng.stats()["pages_in_use"] == 0
   assert outs["cpu"] == outs["gpu"]
+
+
+def test_from_checkpoint_makes_xlas_pool_the_fraction_of_the_device(tmp_path):
+  """In a fresh process (JAX not started) the engine makes XLA's pool 0.9 of the GPU, as
+  vLLM's --gpu-memory-utilization, and sizes the KV cache from the device's memory; the
+  startup line says so. nvidia-smi gives the device's memory independently."""
+  import json
+  import os
+  import subprocess
+  import sys
+  total_mib = int(subprocess.run(
+      ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+      capture_output=True, text=True, check=True).stdout.split()[0])
+  code = (
+      "import json, logging, sys, jax\n"
+      "logging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
+      "from blink_jax import Engine\n"
+      "with Engine.from_checkpoint('random:gemma3-270m', max_seqs=4, max_context=256,"
+      " num_slots=16, compilation_cache_dir='') as eng:\n"
+      "  print(json.dumps({'limit': jax.devices()[0].memory_stats()['bytes_limit'],"
+      " 'pages': eng.config.kv_pages}))\n")
+  environ = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**environ, "CUDA_VISIBLE_DEVICES": "0"}, timeout=900)
+  assert out.returncode == 0, out.stderr[-3000:]
+  got = json.loads(out.stdout.strip().splitlines()[-1])
+  share = got["limit"] / (total_mib << 20)
+  print(f"XLA's pool {got['limit'] / 2**30:.1f} GiB = {share:.3f} of {total_mib} MiB; "
+        f"{got['pages']} KV pages")
+  assert 0.87 <= share <= 0.91, share
+  assert "capacity: 4 sequences" in out.stderr and "0.9 of " in out.stderr, out.stderr[-3000:]
