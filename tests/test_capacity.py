@@ -243,11 +243,17 @@ def test_page_bytes_are_what_the_cache_allocates():
   assert kv_page_bytes(get_config("gemma3-1b"), 16, jnp.bfloat16) == 425_984
 
 
-def test_the_workspace_reserve_of_the_1b_shape_is_1_5_gib():
+@pytest.mark.parametrize("budget,max_seqs,gib", [
+    (256, 256, 1.5), (4096, 256, 2.5), (4096, 1024, 4.5), (300, 8, 1.671875)])
+def test_the_workspace_reserve_of_the_1b_shape(budget, max_seqs, gib):
+  """Four float32 [rows, vocab] arrays: the samples' or a piece of the prompt-logprob rows
+  (at most 512 of them at once), whichever is more, never more than the step's budget."""
   from blink_jax.executor.loop import Executor
-  ex = types.SimpleNamespace(sched=types.SimpleNamespace(token_budget=256),
+  ex = types.SimpleNamespace(sched=types.SimpleNamespace(token_budget=budget,
+                                                         max_seqs=max_seqs),
                              cfg=types.SimpleNamespace(vocab_size=262_144))
-  assert Executor.workspace_bytes.fget(ex) == 3 * GiB // 2
+  ex.logit_rows = Executor.logit_rows.fget(ex)
+  assert Executor.workspace_bytes.fget(ex) == int(gib * GiB)
 
 
 def test_kv_pages_past_the_bound_are_refused_before_anything_is_allocated():

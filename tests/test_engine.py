@@ -417,13 +417,17 @@ def test_random_checkpoint_names_a_known_shape():
     Engine.from_checkpoint("random:nope")
 
 
-def test_prompt_logprobs_match_the_model(engine, dense):
+def _prompt_logprobs_of(engine):
   # A prompt longer than the largest bucket and than the ring (chunks are cut to what the ring
   # holds), batched with a short one.
   rng = np.random.default_rng(5)
   prompts = [[int(t) for t in rng.integers(3, 300, 70)], [9, 8, 7]]
   sp = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=2, logprobs=1)
-  for p, out in zip(prompts, engine.generate(prompt_token_ids=prompts, sampling=sp)):
+  return prompts, engine.generate(prompt_token_ids=prompts, sampling=sp)
+
+
+def _check_prompt_logprobs(prompts, outs, dense):
+  for p, out in zip(prompts, outs):
     lp = np.asarray(jax.nn.log_softmax(dense.logits(p + out.token_ids), axis=-1))
     assert out.prompt_logprobs[0] is None and out.prompt_top_logprobs[0] is None
     assert len(out.prompt_logprobs) == len(p)
@@ -433,10 +437,26 @@ def test_prompt_logprobs_match_the_model(engine, dense):
     for i, tok in enumerate(out.token_ids):  # generated tokens follow, with their logprobs
       assert tok == int(np.argmax(lp[len(p) - 1 + i]))
       assert out.logprobs[i] == pytest.approx(lp[len(p) - 1 + i][tok], abs=1e-4)
+
+
+def test_prompt_logprobs_match_the_model(engine, dense):
+  prompts, outs = _prompt_logprobs_of(engine)
+  _check_prompt_logprobs(prompts, outs, dense)
   plain = engine.generate(prompt_token_ids=prompts[1], sampling=SamplingParams(max_tokens=2))
   assert plain.prompt_logprobs is None and len(plain.token_ids) == 2
   with pytest.raises(ValueError, match="prompt_logprobs"):
     engine.generate(prompt_token_ids=[5, 6], sampling=SamplingParams(prompt_logprobs=99))
+
+
+def test_prompt_logprobs_in_pieces_match_the_model(model, dense, monkeypatch):
+  """A step whose rows pass PROMPT_LOGPROB_ROWS computes their prompt logprobs a piece at a
+  time (the 16- and 32-row buckets here in pieces of 6: uneven, the last one short)."""
+  from blink_jax.executor import loop
+  monkeypatch.setattr(loop, "PROMPT_LOGPROB_ROWS", 6)
+  with Engine(model, None, **ENGINE_KW) as eng:
+    got = _prompt_logprobs_of(eng)
+    assert eng.stats()["pages_in_use"] == 0
+  _check_prompt_logprobs(*got, dense)  # with this engine's loop gone (two share 2 CPUs)
 
 
 @pytest.mark.parametrize("mode,attention,norm", [

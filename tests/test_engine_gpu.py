@@ -152,3 +152,5 @@ def test_from_checkpoint_makes_xlas_pool_the_fraction_of_the_device(tmp_path):
         f"{got['pages']} KV pages")
   assert 0.87 <= share <= 0.91, share
   assert "capacity: 4 sequences" in out.stderr and "0.9 of " in out.stderr, out.stderr[-3000:]
+  # The loop's temporaries fit the reserve (the prompt logprobs in pieces), no warning.
+  assert "the compiled loop's temporaries:" in out.stderr, out.stderr[-3000:]

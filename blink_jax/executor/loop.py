@@ -34,11 +34,19 @@ from blink_jax.executor.loop_report import XLA_OP_BY_OP_LINE, capture_stderr, co
 from blink_jax.kernels.select import step_kernels
 from blink_jax.model.gemma import (Block, Gemma, init_kv_cache, kv_page_bytes,
                                     max_kv_pages, ring_bytes)
-from blink_jax.model.sampling import sample, top_n
+from blink_jax.model.sampling import sample
 from blink_jax.model.tensor_parallel import TP_AXIS, TensorParallel
 from blink_jax.native import batch, ffi
 
 log = logging.getLogger("blink_jax.executor")
+
+
+# Rows whose prompt logprobs one piece of a step computes at once. Their logits, its
+# log-softmax and the top-n passes are float32 [rows, vocab] arrays (four of them live at
+# once: 4 GiB at 1,024 rows of Gemma's 262,144-token vocabulary), and XLA allocates the
+# largest branch's temporaries up front for the whole loop, so a 4,096-row bucket computing
+# them in one piece held 16 GiB of every GPU back from the KV cache (`workspace_bytes`).
+PROMPT_LOGPROB_ROWS = 512
 
 
 @dataclasses.dataclass
@@ -247,12 +255,20 @@ class Executor:
   def workspace_bytes(self) -> int:
     """What a GPU's KV cache leaves free for the step's temporaries: a conservative reserve,
     since the compiled loop's own figure (`memory_analysis`) exists only after the compile,
-    which needs the page count. The largest temporaries are float32 [token_budget, vocab]
-    arrays (prompt logprobs: the logits of every row, their log-softmax, the top-n passes;
-    the sampler's over the samples): four are reserved, plus 512 MiB for the activations,
-    the carry's history and page table and XLA's scratch. For Gemma 3 1B (vocab 262,144,
-    budget 256) that is 1.5 GiB. The engine checks the compiled loop against it."""
-    return 4 * self.sched.token_budget * self.cfg.vocab_size * 4 + (512 << 20)
+    which needs the page count. The largest temporaries are float32 [logit_rows, vocab]
+    arrays (prompt logprobs: the logits of a piece of the rows, their log-softmax, the top-n
+    passes; the sampler's over the samples): four are reserved, plus 512 MiB for the
+    activations, the carry's history and page table and XLA's scratch. For Gemma 3 1B
+    (vocab 262,144) at 256 sequences and a 4,096-token budget that is 2.5 GiB (16.5 before
+    the prompt logprobs came in pieces). The engine checks the compiled loop against it."""
+    return 4 * self.logit_rows * self.cfg.vocab_size * 4 + (512 << 20)
+
+  @property
+  def logit_rows(self) -> int:
+    """The most rows a step holds float32 logits of at once: its samples (at most max_seqs)
+    or a piece of its prompt-logprob rows (PROMPT_LOGPROB_ROWS)."""
+    s = self.sched
+    return min(s.token_budget, max(s.max_seqs, PROMPT_LOGPROB_ROWS))
 
   def set_num_pages(self, num_pages: int) -> None:
     """The KV cache's page count, set before `initial_carry` and `compile` (the engine sizes
@@ -326,16 +342,40 @@ class Executor:
 
   def _prompt_logprobs(self, model, kernels, hidden, targets, zeros, rows: int):
     """Logprob (and top-n) of each row's target token under the model; only computed when
-    some row has a target (a request asked for prompt logprobs): logits of every row."""
+    some row has a target (a request asked for prompt logprobs): logits of every row, in
+    pieces of PROMPT_LOGPROB_ROWS, one after the other."""
     max_top = self.max_top
 
-    def compute():
-      lp = jax.nn.log_softmax(model.logits(hidden, kernels.logits), axis=-1)
-      chosen = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
+    def piece(h, t):
+      # Every result is a reduction over the piece's logits: XLA fuses a gather from them
+      # into whatever consumes it (the concatenation below), which would keep every piece's
+      # logits alive at once; it does not recompute a reduction there.
+      lp = jax.nn.log_softmax(model.logits(h, kernels.logits), axis=-1)
+      cols = jnp.arange(lp.shape[-1], dtype=jnp.int32)[None, :]
+      chosen = jnp.sum(jnp.where(cols == jnp.maximum(t, 0)[:, None], lp, 0.0), axis=-1)
+      ids, vals = [], []
+      for _ in range(max(max_top, 1)):  # top_n's passes; the id: the first column at the max
+        vals.append(jnp.max(lp, axis=-1))
+        ids.append(jnp.min(jnp.where(lp == vals[-1][:, None], cols, lp.shape[-1] - 1),
+                           axis=-1))
+        lp = jnp.where(cols == ids[-1][:, None], -jnp.inf, lp)
       if max_top == 0:
-        return chosen, zeros[1][:rows], zeros[2][:rows]
-      top_lp, top_id = top_n(lp, max_top)
-      return chosen, top_id, top_lp
+        return chosen, zeros[1][:h.shape[0]], zeros[2][:h.shape[0]], ids[0]
+      return chosen, jnp.stack(ids, axis=1), jnp.stack(vals, axis=1), ids[0]
+
+    def compute():
+      # Not a lax.map: its scan's memset keeps the loop out of a CUDA graph. A piece starts
+      # from the last one's results (its first ids, never negative), so the two cannot run
+      # side by side and share their temporaries: an optimization barrier did not do that
+      # on XLA's CPU, whose thunks run concurrently where no data orders them.
+      outs = []
+      for i in range(0, rows, PROMPT_LOGPROB_ROWS):
+        h = hidden[i:i + PROMPT_LOGPROB_ROWS]
+        if outs:
+          h = jnp.where(jnp.min(outs[-1][3]) >= 0, h, jnp.zeros_like(h))
+        outs.append(piece(h, targets[i:i + PROMPT_LOGPROB_ROWS]))
+      return tuple(jnp.concatenate(parts) if len(outs) > 1 else parts[0]
+                   for parts in list(zip(*outs))[:3])
 
     return lax.cond(jnp.any(targets >= 0), compute,
                     lambda: (zeros[0][:rows], zeros[1][:rows], zeros[2][:rows]))
