@@ -124,9 +124,11 @@ def test_gpu_windowed_pages_tokens_equal_cpu_full_pages():
 
 
 def test_from_checkpoint_makes_xlas_pool_the_fraction_of_the_device(tmp_path):
-  """In a fresh process (JAX not started) the engine makes XLA's pool 0.9 of the GPU, as
-  vLLM's --gpu-memory-utilization, and sizes the KV cache from the device's memory; the
-  startup line says so. nvidia-smi gives the device's memory independently."""
+  """In a fresh process (JAX not started) the engine makes XLA's pool the config's share of
+  the GPU (vLLM's --gpu-memory-utilization; 0.9 by default, 0.15 here: this test process's
+  own JAX holds 75 % of the GPU already) and sizes the KV cache from the device's memory,
+  its temporaries within the reserve; the startup lines say so. nvidia-smi gives the
+  device's memory independently."""
   import json
   import os
   import subprocess
@@ -139,7 +141,7 @@ def test_from_checkpoint_makes_xlas_pool_the_fraction_of_the_device(tmp_path):
       "logging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
       "from blink_jax import Engine\n"
       "with Engine.from_checkpoint('random:gemma3-270m', max_seqs=4, max_context=256,"
-      " num_slots=16, compilation_cache_dir='') as eng:\n"
+      " num_slots=16, kv_cache_memory_fraction=0.15, compilation_cache_dir='') as eng:\n"
       "  print(json.dumps({'limit': jax.devices()[0].memory_stats()['bytes_limit'],"
       " 'pages': eng.config.kv_pages}))\n")
   environ = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
@@ -150,7 +152,8 @@ def test_from_checkpoint_makes_xlas_pool_the_fraction_of_the_device(tmp_path):
   share = got["limit"] / (total_mib << 20)
   print(f"XLA's pool {got['limit'] / 2**30:.1f} GiB = {share:.3f} of {total_mib} MiB; "
         f"{got['pages']} KV pages")
-  assert 0.87 <= share <= 0.91, share
-  assert "capacity: 4 sequences" in out.stderr and "0.9 of " in out.stderr, out.stderr[-3000:]
+  assert 0.13 <= share <= 0.16, share
+  assert "capacity: 4 sequences" in out.stderr and "(0.15 of " in out.stderr, \
+      out.stderr[-3000:]
   # The loop's temporaries fit the reserve (the prompt logprobs in pieces), no warning.
   assert "the compiled loop's temporaries:" in out.stderr, out.stderr[-3000:]
