@@ -176,7 +176,7 @@ def test_the_engine_makes_xlas_pool_the_fraction_of_the_device(monkeypatch):
   assert xla_flags.configure_memory_pool(0.5) == 0.9  # set already: left alone
   monkeypatch.setenv(env.MEM_FRACTION, "0.95")  # the user's
   assert xla_flags.configure_memory_pool(0.9) == 0.95 and env.get(env.MEM_FRACTION) == "0.95"
-  for bad in ("abc", "0", "1.5"):
+  for bad in ("abc", "0", "-1", "nan"):
     monkeypatch.setenv(env.MEM_FRACTION, bad)
     assert xla_flags.pool_fraction() == 0.75
 

@@ -85,7 +85,7 @@ def pool_fraction() -> float:
     f = float(value) if value else JAX_POOL_FRACTION
   except ValueError:
     return JAX_POOL_FRACTION
-  return f if 0 < f <= 1 else JAX_POOL_FRACTION
+  return f if f > 0 else JAX_POOL_FRACTION  # past 1: unified memory oversubscribed
 
 
 def configure_memory_pool(fraction: float) -> float:
