@@ -304,6 +304,12 @@ class EngineConfig:
     """max_seqs, or its default on a device of `platform` ("gpu", "cpu", ...)."""
     return self.max_seqs or default_max_seqs(platform)
 
+  @property
+  def gpu_memory_fraction(self) -> float:
+    """kv_cache_memory_fraction, or its GPU default."""
+    f = self.kv_cache_memory_fraction
+    return GPU_MEMORY_FRACTION if f is None else f
+
   def resolved(self, model_max_context: int, platform: str,
                sliding_window: int | None = None) -> "EngineConfig":
     """The config with the model- and device-dependent defaults filled in: max_seqs,
@@ -324,7 +330,7 @@ class EngineConfig:
       window_chunk = window_chunk or sliding_window
     kv_pages, fraction = self.kv_pages, self.kv_cache_memory_fraction
     if kv_pages is None and platform == "gpu":
-      fraction = GPU_MEMORY_FRACTION if fraction is None else fraction
+      fraction = self.gpu_memory_fraction
     elif kv_pages is None:
       kv_pages = full_context_pages(max_context, self.page_size, max_seqs)
     buckets = self.buckets

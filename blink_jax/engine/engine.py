@@ -20,8 +20,8 @@ import numpy as np
 
 from blink_jax.client import mailbox, mapping, protocol, shm
 from blink_jax.client.streaming import ChoiceDecoder, DeviceError
-from blink_jax.engine_config import (GPU_MEMORY_FRACTION, DeviceMemory, EngineConfig,
-                                     full_context_pages, kv_pages_for_memory)
+from blink_jax.engine_config import (DeviceMemory, EngineConfig, full_context_pages,
+                                     kv_pages_for_memory)
 from blink_jax.executor import compilation_cache
 from blink_jax.executor.xla_flags import (configure_command_buffers, configure_memory_pool,
                                           pool_fraction)
@@ -343,7 +343,7 @@ class Engine:
     overrides = {k: kw.pop(k) for k in list(kw) if k not in _ENGINE_KEYWORDS}
     kw["config"] = config = EngineConfig.from_kwargs(kw.get("config"), **overrides)
     configure_command_buffers()
-    configure_memory_pool(config.kv_cache_memory_fraction or GPU_MEMORY_FRACTION)
+    configure_memory_pool(config.gpu_memory_fraction)
     import jax.numpy as jnp
 
     from blink_jax.model.gemma import Gemma

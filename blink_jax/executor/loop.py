@@ -34,7 +34,7 @@ from blink_jax.executor.loop_report import XLA_OP_BY_OP_LINE, capture_stderr, co
 from blink_jax.kernels.select import step_kernels
 from blink_jax.model.gemma import (Block, Gemma, init_kv_cache, kv_page_bytes,
                                     max_kv_pages, ring_bytes)
-from blink_jax.model.sampling import sample
+from blink_jax.model.sampling import sample, top_n_by_reductions
 from blink_jax.model.tensor_parallel import TP_AXIS, TensorParallel
 from blink_jax.native import batch, ffi
 
@@ -347,21 +347,15 @@ class Executor:
     max_top = self.max_top
 
     def piece(h, t):
-      # Every result is a reduction over the piece's logits: XLA fuses a gather from them
-      # into whatever consumes it (the concatenation below), which would keep every piece's
-      # logits alive at once; it does not recompute a reduction there.
+      # Every result is a reduction over the piece's logits, so no fusion of the
+      # concatenation below reaches back into them and keeps every piece's alive.
       lp = jax.nn.log_softmax(model.logits(h, kernels.logits), axis=-1)
       cols = jnp.arange(lp.shape[-1], dtype=jnp.int32)[None, :]
       chosen = jnp.sum(jnp.where(cols == jnp.maximum(t, 0)[:, None], lp, 0.0), axis=-1)
-      ids, vals = [], []
-      for _ in range(max(max_top, 1)):  # top_n's passes; the id: the first column at the max
-        vals.append(jnp.max(lp, axis=-1))
-        ids.append(jnp.min(jnp.where(lp == vals[-1][:, None], cols, lp.shape[-1] - 1),
-                           axis=-1))
-        lp = jnp.where(cols == ids[-1][:, None], -jnp.inf, lp)
+      top_lp, top_id = top_n_by_reductions(lp, max(max_top, 1))
       if max_top == 0:
-        return chosen, zeros[1][:h.shape[0]], zeros[2][:h.shape[0]], ids[0]
-      return chosen, jnp.stack(ids, axis=1), jnp.stack(vals, axis=1), ids[0]
+        return chosen, zeros[1][:h.shape[0]], zeros[2][:h.shape[0]], top_id[:, 0]
+      return chosen, top_id, top_lp, top_id[:, 0]
 
     def compute():
       # Not a lax.map: its scan's memset keeps the loop out of a CUDA graph. A piece starts
@@ -374,8 +368,7 @@ class Executor:
         if outs:
           h = jnp.where(jnp.min(outs[-1][3]) >= 0, h, jnp.zeros_like(h))
         outs.append(piece(h, targets[i:i + PROMPT_LOGPROB_ROWS]))
-      return tuple(jnp.concatenate(parts) if len(outs) > 1 else parts[0]
-                   for parts in list(zip(*outs))[:3])
+      return tuple(jnp.concatenate(parts) for parts in list(zip(*outs))[:3])
 
     return lax.cond(jnp.any(targets >= 0), compute,
                     lambda: (zeros[0][:rows], zeros[1][:rows], zeros[2][:rows]))

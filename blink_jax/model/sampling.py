@@ -131,6 +131,20 @@ def top_n(lp, n: int):
   return jnp.stack(vals, axis=1), jnp.stack(ids, axis=1)
 
 
+def top_n_by_reductions(lp, n: int):
+  """top_n's values and ids per row (the id: the first column at the maximum), every result
+  a reduction over lp [R, V]. XLA fuses top_n's gathers from lp into whatever consumes
+  their results, which keeps lp alive until then; it does not recompute a reduction there
+  (the executor's prompt logprobs in pieces rely on that: executor/loop.py)."""
+  cols = jnp.arange(lp.shape[-1], dtype=jnp.int32)[None, :]
+  ids, vals = [], []
+  for _ in range(n):
+    vals.append(jnp.max(lp, axis=-1))
+    ids.append(jnp.min(jnp.where(lp == vals[-1][:, None], cols, lp.shape[-1] - 1), axis=-1))
+    lp = jnp.where(cols == ids[-1][:, None], -jnp.inf, lp)
+  return jnp.stack(vals, axis=1), jnp.stack(ids, axis=1)
+
+
 def _draw(keys, x):
   """One token per row of scaled, filtered logits x [R, V] (-inf: never), drawn with
   probability softmax(x) in two levels: a block of _BLOCK tokens with probability its share
