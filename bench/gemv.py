@@ -1,6 +1,6 @@
 """A decode step's projections alone: XLA's matmul against the CUDA GEMV
-(blink_jax.kernels.cuda_gemv) at each split count, per projection of a model shape and per
-step size (tokens), in microseconds and in the HBM bandwidth the weights were read at.
+(blink_jax.kernels.cuda_gemv) at each split count, per projection of a model shape, for a
+one-token step, in microseconds and in the HBM bandwidth the weights were read at.
 
 Why: the GEMV's splits are picked by a rule (`cuda_gemv.default_splits`: every block's rows in
 one pass, blocks covering the GPU about twice) that was tuned on the down projection; the
@@ -16,7 +16,7 @@ first run's figures, 12-38 us a product, carried about 10 us of that), the input
 changed every step by the last output (so nothing is hoisted; that small kernel is in every
 figure), bf16 weights of random values.
 
-  python -m bench.gemv --config gemma3-1b --tokens 1,8 --splits auto,2,4,8,16,32
+  python -m bench.gemv --config gemma3-1b --splits auto,2,4,8,16,32
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ from blink_jax.model.config import get_config
 
 FLAGS = flags.FLAGS
 PROJECTIONS = ("qkv", "out", "down", "gate_up")
-# What each variant computes from x [T, K] and w [K, N]: "xla" the matmul in bf16, "partials"
-# the GEMV's f32 partial sums [S, T, N], "matmul" those added up by XLA into bf16 [T, N].
+# What each variant computes from x [1, K] and w [K, N]: "xla" the matmul in bf16, "partials"
+# the GEMV's f32 partial sums [S, 1, N], "matmul" those added up by XLA into bf16 [1, N].
 VARIANTS = ("xla", "partials", "matmul")
 
 
@@ -43,7 +43,6 @@ def define_flags():
   """Defined when run as a script only: tests import this module beside other absl scripts."""
   flags.DEFINE_string("config", "gemma3-1b", "model shape whose projections are timed")
   flags.DEFINE_list("projections", list(PROJECTIONS), f"which: {list(PROJECTIONS)}")
-  flags.DEFINE_list("tokens", ["1", "8"], "rows of x (a decode step's tokens, 1-8)")
   flags.DEFINE_list("splits", ["auto", "2", "4", "8", "16", "32"],
                     "the GEMV's split counts ('auto': cuda_gemv.default_splits)")
   flags.DEFINE_list("variants", list(VARIANTS), f"what is timed: {list(VARIANTS)}")
@@ -61,7 +60,7 @@ def projection_shape(cfg, name: str) -> tuple[int, int]:
 
 
 def product_loop(variant: str, splits: int | None, steps: int):
-  """A jitted loop of `steps` products of x [T, K] and w [K, N]; each step's x has its first
+  """A jitted loop of `steps` products of x [1, K] and w [K, N]; each step's x has its first
   element replaced by the last output's (a data dependence)."""
   def product(x, w):
     if variant == "xla":
@@ -80,11 +79,11 @@ def product_loop(variant: str, splits: int | None, steps: int):
   return jax.jit(run)
 
 
-def measure(cfg, projection: str, tokens: int, variant: str, splits: int | None, steps: int,
+def measure(cfg, projection: str, variant: str, splits: int | None, steps: int,
             repeats: int) -> dict:
   k, n = projection_shape(cfg, projection)
-  kx, kw = jax.random.split(jax.random.PRNGKey(tokens))
-  x = jax.random.normal(kx, (tokens, k), jnp.float32).astype(jnp.bfloat16)
+  kx, kw = jax.random.split(jax.random.PRNGKey(1))
+  x = jax.random.normal(kx, (1, k), jnp.float32).astype(jnp.bfloat16)
   w = (jax.random.normal(kw, (k, n), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
   f = product_loop(variant, splits, steps)
   jax.block_until_ready(f(x, w))  # compile + warm
@@ -93,9 +92,9 @@ def measure(cfg, projection: str, tokens: int, variant: str, splits: int | None,
     t = time.perf_counter()
     jax.block_until_ready(f(x, w))
     times.append((time.perf_counter() - t) / steps * 1e6)
-  row = {"projection": projection, "k": k, "n": n, "tokens": tokens, "variant": variant,
+  row = {"projection": projection, "k": k, "n": n, "variant": variant,
          "splits": splits if variant == "xla" else
-         (cuda_gemv.default_splits(k, n, tokens) if splits is None else splits),
+         (cuda_gemv.default_splits(k, n) if splits is None else splits),
          "auto_splits": splits is None and variant != "xla", **C.stats(times, "us")}
   row["weight_tb_per_s"] = k * n * 2 / (row["us_median"] * 1e-6) / 1e12
   return row
@@ -112,20 +111,19 @@ def main(argv):
       raise app.UsageError(f"--{name}: {sorted(bad)} not in {list(allowed)}")
   results = []
   for projection in FLAGS.projections:
-    for tokens in (int(t) for t in FLAGS.tokens):
-      for variant in FLAGS.variants:
-        counts = [None] if variant == "xla" else [
-            None if s == "auto" else int(s) for s in FLAGS.splits]
-        for splits in counts:
-          k, _ = projection_shape(cfg, projection)
-          if splits is not None and not 1 <= splits <= k:
-            continue
-          r = measure(cfg, projection, tokens, variant, splits, FLAGS.steps, FLAGS.repeats)
-          results.append(r)
-          print(f"{projection:8s} T={tokens} {variant:8s} splits {r['splits']!s:4s}"
-                f"{'(auto)' if r['auto_splits'] else '      '} {r['us_median']:8.2f} us "
-                f"[{r['us_min']:.2f}-{r['us_max']:.2f}] {r['weight_tb_per_s']:5.2f} TB/s",
-                flush=True)
+    for variant in FLAGS.variants:
+      counts = [None] if variant == "xla" else [
+          None if s == "auto" else int(s) for s in FLAGS.splits]
+      for splits in counts:
+        k, _ = projection_shape(cfg, projection)
+        if splits is not None and not 1 <= splits <= k:
+          continue
+        r = measure(cfg, projection, variant, splits, FLAGS.steps, FLAGS.repeats)
+        results.append(r)
+        print(f"{projection:8s} {variant:8s} splits {r['splits']!s:4s}"
+              f"{'(auto)' if r['auto_splits'] else '      '} {r['us_median']:8.2f} us "
+              f"[{r['us_min']:.2f}-{r['us_max']:.2f}] {r['weight_tb_per_s']:5.2f} TB/s",
+              flush=True)
   C.write_result(FLAGS.out, "gemv", results, {"config": cfg.name})
 
 

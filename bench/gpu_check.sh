@@ -69,7 +69,7 @@ executor_host   | executor_latency_host  | python3 -m bench.executor --config ge
 sched           | sched_step             | python3 -m bench.sched --lanes 1,64,256 --slots 4096 --seconds 0.5 --repeats 3 --interference 32 --mailbox host,device --out "$out" $ARGS
 sched_scan      | sched_scan             | python3 -m bench.sched --lanes 64,256 --slots 4096 --seconds 0.5 --repeats 3 --interference 32 --mailbox host --doorbell_us 0,200 --out "$out" $ARGS
 sampling        | sampling               | python3 -m bench.sampling --rows 1,64,256 --search_ways ${WAYS:-1,3,15} --out "$out" $ARGS
-gemv            | gemv                   | python3 -m bench.gemv --config gemma3-1b --tokens 1,8 --out "$out" $ARGS
+gemv            | gemv                   | python3 -m bench.gemv --config gemma3-1b --out "$out" $ARGS
 sched_host      | sched_step_host        | python3 -m bench.sched --lanes 1,64,256 --slots 4096 --seconds 0.5 --repeats 3 --mailbox host --out "$out" $ARGS
 sched_host_legacy | sched_step_host      | python3 scripts/bench_sched.py --lanes 1,64,256 --slots 4096 --seconds 0.5 --repeats 3 --mailbox host --out "$out" $ARGS
 step            | step                   | python3 -m bench.step --config gemma3-1b --out "$out" $ARGS

@@ -87,7 +87,7 @@ class KernelOptions:
   norm: str = _field("auto", "Residual add + RMSNorm pairs and each layer's q/k RMSNorm + "
                      "RoPE + cache write: one Pallas kernel each, or the jnp reference.",
                      choices=KERNEL_KINDS)
-  gemv: str = _field("auto", "Projections of steps of up to 8 tokens run by the CUDA GEMV: "
+  gemv: str = _field("auto", "Projections of one-token steps run by the CUDA GEMV: "
                      "auto (qkv+out+down on a GPU, none elsewhere), none, or names from "
                      f"{'+'.join(GEMV_PROJECTIONS)} joined by '+'.")
   decode_rows: int = _field(64, "Largest step (tokens) whose attention is decode-sized.")

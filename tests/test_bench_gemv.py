@@ -18,7 +18,7 @@ def test_projection_shapes_are_the_fused_weights_of_a_step():
 
 
 def test_loop_feeds_each_output_back():
-  x = jnp.ones((2, 64), jnp.bfloat16)
+  x = jnp.ones((1, 64), jnp.bfloat16)
   w = jnp.asarray(np.eye(64, 128) * 2, jnp.bfloat16)
   for variant in bench_gemv.VARIANTS:
     out = np.asarray(bench_gemv.product_loop(variant, 4, steps=3)(x, w), np.float32)
@@ -28,9 +28,9 @@ def test_loop_feeds_each_output_back():
 
 def test_measure_row_names_its_splits():
   cfg = get_config("gemma3-270m")
-  auto = bench_gemv.measure(cfg, "out", 1, "partials", None, steps=2, repeats=2)
+  auto = bench_gemv.measure(cfg, "out", "partials", None, steps=2, repeats=2)
   k, n = bench_gemv.projection_shape(cfg, "out")
-  assert auto["splits"] == cuda_gemv.default_splits(k, n, 1) and auto["auto_splits"]
+  assert auto["splits"] == cuda_gemv.default_splits(k, n) and auto["auto_splits"]
   assert len(auto["us_all"]) == 2 and auto["us_min"] > 0 and auto["weight_tb_per_s"] > 0
-  xla = bench_gemv.measure(cfg, "out", 1, "xla", None, steps=2, repeats=2)
+  xla = bench_gemv.measure(cfg, "out", "xla", None, steps=2, repeats=2)
   assert xla["splits"] is None and not xla["auto_splits"]

@@ -496,9 +496,9 @@ def test_pallas_prefill_kernel_equals_the_dense_reference(model, dense):
 
 
 def test_gemv_partial_sums_equal_the_dense_reference(model, dense):
-  # Steps of up to 8 tokens run all four projections through the GEMV (jnp partial sums off
-  # the GPU), whose output and down partial sums the add + norm kernel adds up and whose
-  # q/k/v ones the q/k prepare kernel does; larger steps keep XLA's matmuls.
+  # Steps of one token run all four projections through the GEMV (jnp partial sums off the
+  # GPU), whose output and down partial sums the add + norm kernel adds up and whose q/k/v
+  # ones the q/k prepare kernel does; larger steps keep XLA's matmuls.
   _pallas_engine_equals_the_dense_reference(model, dense, gemv="qkv+out+down+gate_up")
 
 

@@ -119,11 +119,11 @@ def test_step_kernels_take_resolved_options_only():
     ("qkv+out+down+gate_up", ("qkv_matmul", "out_project", "ffw_down", "gate_up_matmul")),
     ("down", ("ffw_down",))])
 def test_cuda_gemv_takes_the_chosen_projections_of_small_steps(gemv, names):
-  # One blink_gemv custom call per chosen projection and layer in a bucket-1 step, none in a
-  # bucket-64 step.
+  # One blink_gemv custom call per chosen projection and layer in a bucket-1 step, none in
+  # steps of 2 or 64 tokens (XLA's matmuls: docs/PERFORMANCE.md, "The GEMV at one token only").
   cfg = get_config("gemma3-270m")
   gemv_fns = (cuda_gemv.matmul, cuda_gemv.partials, cuda_gemv.out_project, cuda_gemv.ffw_down)
-  for tokens, per_layer in ((1, len(names)), (64, 0)):
+  for tokens, per_layer in ((1, len(names)), (2, 0), (64, 0)):
     kernels = step_kernels(cfg, _options("pallas", "pallas", gemv=gemv), tokens,
                            interpret=False)
     for name in ("qkv_matmul", "out_project", "ffw_down", "gate_up_matmul"):

@@ -1,13 +1,14 @@
-"""Small-batch matrix-vector products as one CUDA kernel (`ffi/gemv_cuda.cu`, FFI target
-blink_gemv): x [T, K] times w [K, N] -> split partial sums [S, T, N] float32, for steps of up
-to MAX_TOKENS tokens.
+"""The batch-1 matrix-vector product as one CUDA kernel (`ffi/gemv_cuda.cu`, FFI target
+blink_gemv): x [1, K] times w [K, N] -> split partial sums [S, 1, N] float32, for steps of one
+token (from 2 tokens on XLA's kernels ran the 1B's step faster: docs/PERFORMANCE.md, "The
+GEMV at one token only").
 
 XLA runs a batch-1 step's q/k/v, output and down projections (1B shape) as GEMM kernels of
 7.6-9 us each whatever their size (3.5 to 16 MB: 0.4-1.9 TB/s; docs/NOTES.md, "The CUDA GEMV:
 one pass per block").
 This kernel reads each weight byte once with 16-byte loads, every row of a thread in flight
 at once, from S x N/64 blocks (S: one pass per block, and enough blocks to cover the GPU).
-`KernelOptions.gemv` picks the projections of small GPU steps it runs
+`KernelOptions.gemv` picks the projections of one-token GPU steps it runs
 (`blink_jax.kernels.select`): the output and down projections' partial sums go to the add +
 norm kernel and the q/k/v projection's to the q/k prepare kernel (with the Pallas norm
 kernels), the gate/up projection's are added up by XLA (`matmul`). Elsewhere (CPU, or no
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from blink_jax.native import ffi
 from blink_jax.model.gemma import MLP, sum_partials
 
-MAX_TOKENS = 8      # rows per call (ffi/gemv_cuda.cu kMaxTokens)
+MAX_TOKENS = 1        # rows of x per call
 COLUMNS = 64          # output columns per block (ffi/gemv_cuda.cu kColumns)
 # About one block per SM of an H100 / H200 (132 SMs): the consumers of the partial sums (the
 # add + norm and q/k prepare kernels, one program per row) read S x N floats serially, which
@@ -29,21 +30,16 @@ COLUMNS = 64          # output columns per block (ffi/gemv_cuda.cu kColumns)
 _TARGET_BLOCKS = 132
 _MIN_ROWS = 32        # rows of K per split: one per row group of a block
 _GROUPS = 32          # rows a block reads at once (ffi/gemv_cuda.cu kGroups)
-_MAX_SPLITS = 32      # partial sums cost T x N x 4 bytes each, written and read again
+_MAX_SPLITS = 32      # partial sums cost N x 4 bytes each, written and read again
+_ROWS_IN_FLIGHT = 8   # rows of K each thread loads at once (ffi/gemv_cuda.cu kRowsInFlight)
 
 
-def rows_in_flight(tokens: int) -> int:
-  """Rows of K each thread loads at once for `tokens` rows of x (ffi/gemv_cuda.cu
-  rows_in_flight)."""
-  return 8 if tokens == 1 else 4 if tokens <= 4 else 2
-
-
-def default_splits(k: int, n: int, tokens: int = 1) -> int:
+def default_splits(k: int, n: int) -> int:
   """Splits of K: a power of two (the add + norm kernel sums a power of two of partials),
   enough that a block's rows fit one pass of its threads' loads (every load in flight at
   once) and that splits x N/64 blocks cover the GPU about once; at most 32, and at least 32
   rows of K each."""
-  one_pass = -(-k // (_GROUPS * rows_in_flight(tokens)))
+  one_pass = -(-k // (_GROUPS * _ROWS_IN_FLIGHT))
   cover = -(-_TARGET_BLOCKS // max(1, n // COLUMNS))
   want = min(max(one_pass, cover), _MAX_SPLITS)
   most = max(1, k // _MIN_ROWS)
@@ -68,15 +64,15 @@ def reference_partials(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
 
 def partials(x: jax.Array, w: jax.Array, splits: int | None = None, *,
              use_kernel: bool | None = None) -> jax.Array:
-  """x [T, K], w [K, N] -> partial sums [splits, T, N] float32 (their sum is x @ w).
+  """x [1, K], w [K, N] -> partial sums [splits, 1, N] float32 (their sum is x @ w).
   use_kernel: the CUDA kernel (default: when it is registered and the default device is a
   GPU) for bfloat16 x and w; otherwise, or for other dtypes, `reference_partials`."""
   tokens, k = x.shape
   n = w.shape[1]
   if w.shape[0] != k or not usable(tokens, k, n):
-    raise ValueError(f"blink_gemv takes x [T<={MAX_TOKENS}, K] and w [K, N % {COLUMNS} == 0]; "
+    raise ValueError(f"blink_gemv takes x [1, K] and w [K, N % {COLUMNS} == 0]; "
                      f"got x {x.shape} and w {w.shape}")
-  splits = default_splits(k, n, tokens) if splits is None else splits
+  splits = default_splits(k, n) if splits is None else splits
   if not 1 <= splits <= k:
     raise ValueError(f"splits={splits} must be in [1, K={k}]")
   if (not ffi.use_cuda_kernel(use_kernel) or x.dtype != jnp.bfloat16

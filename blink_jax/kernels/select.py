@@ -10,7 +10,7 @@ The one place that knows how the fast kernels fit together:
   `decode_head`, go to the decode kernel (`head_then_rest`);
 - "blocked" (the CPU's default for both) runs `blocked_attention`, which reads only the key
   blocks up to the step's context; "reference" the oracle, which reads every whole page table;
-- the CUDA GEMV runs the named projections of steps of up to 8 tokens; the output and down
+- the CUDA GEMV runs the named projections of one-token steps; the output and down
   projections only with the Pallas add + norm kernel, which adds up their partial sums (and
   the q/k prepare kernel those of the q/k/v projection);
 - off the GPU every other projection and the output layer run `cpu_matmul`'s matmuls (the
