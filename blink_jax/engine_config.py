@@ -202,6 +202,12 @@ class EngineConfig:
       "after the previous step started (a new request or a cancel ends the wait), trading "
       "time per output token for fewer passes over the weights and an idle GPU in between "
       "(docs/PERFORMANCE.md, \"Energy\"); 0: steps back to back.")
+  step_interval_factor: float = _field(
+      1.0, "Step pacing relative to the step's own length: a decode-only step with nothing "
+      "waiting starts no sooner than this many times the previous step's length after that "
+      "step started (1.25: the GPU idles a fifth of the time while it only decodes), so the "
+      "pacing follows the model, the GPU and the load; with min_step_interval_us the later "
+      "of the two; 1.0: off (docs/ARCHITECTURE.md, \"Step pacing\").")
   prefix_caching: bool = _field(
       True, "Automatic prefix caching in the device scheduler, like vLLM's: full KV pages are "
       "registered by a hash chained over their tokens and a request maps the longest cached "
@@ -266,6 +272,9 @@ class EngineConfig:
     m = self.min_step_interval_us
     if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= 1_000_000:
       raise ValueError(f"min_step_interval_us must be an integer in [0, 1000000], got {m!r}")
+    f = self.step_interval_factor
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 1.0 <= f <= 10.0:
+      raise ValueError(f"step_interval_factor must be a number in [1, 10], got {f!r}")
     if self.buckets is not None:
       b = tuple(self.buckets)
       if not b or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in b) \

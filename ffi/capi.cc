@@ -66,6 +66,9 @@ const char* blink_config_check(const int64_t* words) {
   else if (c.min_step_interval_us < 0 || c.min_step_interval_us > 1000000)
     snprintf(buf, sizeof buf, "min_step_interval_us=%lld must be in [0, 1000000]",
              (long long)c.min_step_interval_us);
+  else if (c.step_interval_permille < 0 || c.step_interval_permille > 10000)
+    snprintf(buf, sizeof buf, "step_interval_permille=%lld must be in [0, 10000]",
+             (long long)c.step_interval_permille);
   else if (c.prefix_caching != 0 && c.prefix_caching != 1)
     snprintf(buf, sizeof buf, "prefix_caching=%lld must be 0 or 1", (long long)c.prefix_caching);
   else if (c.window < 0 || (c.window > 0 && (c.window_pages < 1 || c.window_pages * c.page_size < c.window)))

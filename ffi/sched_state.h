@@ -44,6 +44,10 @@ struct BlinkSchedConfig {
   // ring of window_pages pages per lane instead of pages for the whole context. 0: off.
   int64_t window;            // the sliding window in tokens (a row reads window keys)
   int64_t window_pages;      // ring pages per lane
+  // Step pacing relative to the step's length (see BlinkSched::pace): a paced step starts no
+  // sooner than step_interval_permille / 1000 times the previous step's length after that
+  // step started. <= 1000: off.
+  int64_t step_interval_permille;
 
   BLINK_HD int64_t bucket(int i) const {
     const int64_t* b = &bucket0;
@@ -72,8 +76,8 @@ struct BlinkSchedConfig {
       "bucket8", "bucket9", "bucket10", "bucket11", "bucket12", "bucket13", "bucket14",        \
       "bucket15", "eos0", "eos1", "eos2", "eos3",                                               \
       "idle_poll_us", "arena_tokens", "min_step_interval_us", "prefix_caching", "window",       \
-      "window_pages"
-#define BLINK_SCHED_CONFIG_NUM_FIELDS 38
+      "window_pages", "step_interval_permille"
+#define BLINK_SCHED_CONFIG_NUM_FIELDS 39
 static_assert(sizeof(BlinkSchedConfig) == 8 * BLINK_SCHED_CONFIG_NUM_FIELDS, "config fields");
 
 // Scalars of the state (int32 words after the 64-bit counters).
@@ -129,7 +133,7 @@ enum BlinkCounter {
   C_SCHED_DECODE_NS,  // one row per decode-ready lane
   C_SCHED_ADMIT_NS,   // prefill chunks, admission, prompt copies, the batch's header
   C_SCHED_BATCH_NS,   // the batch's token and sample arrays, counters, idle polling
-  C_PACED_STEPS,      // steps that waited for their pacing interval (min_step_interval_us)
+  C_PACED_STEPS,      // steps that waited for their pacing interval (BlinkSched::pace)
   C_PACED_NS,         // time those waits took (clock of the executing side)
   C_PREFIX_QUERIES,   // prompt tokens of requests admitted with prefix caching on
   C_PREFIX_HITS,      // of those, tokens whose K/V came from cached pages

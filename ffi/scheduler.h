@@ -492,9 +492,9 @@ struct BlinkSched {
       (void)mark;
 #endif
     };
-    if (c.min_step_interval_us > 0) x.serial([&] { pace(); });
+    if (pacing()) x.serial([&] { pace(); });
     // A paced wait makes the early poll words stale: the first pass then polls afresh.
-    const bool fresh_poll = c.min_step_interval_us > 0 && s(S_PACE_WAITED) != 0;
+    const bool fresh_poll = pacing() && s(S_PACE_WAITED) != 0;
     for (int pass = 0; pass < 2; ++pass) {
       phase_done(-1);
       if (pass == 0 && !fresh_poll)
@@ -931,17 +931,25 @@ struct BlinkSched {
     return total;
   }
 
+  // Whether steps are paced: min_step_interval_us or step_interval_permille set.
+  BLINK_HD bool pacing() const { return c.min_step_interval_us > 0 || c.step_interval_permille > 1000; }
+
   // Step pacing (docs/ARCHITECTURE.md, "Step pacing"), run by the leader before the first
-  // pass when min_step_interval_us is set: a step that follows a decode-only step with nothing
-  // waiting starts no sooner than min_step_interval_us after the previous step started, so a
-  // light load batches more sequences per pass over the weights and the GPU idles in between.
-  // A moved doorbell (a new request, a cancel) or shutdown ends the wait at once.
+  // pass when pacing(): a step that follows a decode-only step with nothing waiting starts no
+  // sooner than min_step_interval_us, and no sooner than step_interval_permille / 1000 times
+  // the previous step's length (its start to this call), after the previous step started,
+  // so a light load batches more sequences per pass over the weights and the GPU idles in
+  // between. A moved doorbell (a new request, a cancel) or shutdown ends the wait at once.
   BLINK_HD void pace() const {
     uint64_t now = X_now_ns();
     s(S_PACE_WAITED) = 0;
     if (s(S_PACE)) {
       const uint64_t last = uint64_t(uint32_t(s(S_PACE_T_LO))) | uint64_t(uint32_t(s(S_PACE_T_HI))) << 32;
-      const uint64_t until = last + uint64_t(c.min_step_interval_us) * 1000;
+      const uint64_t fixed = uint64_t(c.min_step_interval_us) * 1000;
+      const uint64_t length = now > last ? now - last : 0;
+      const uint64_t relative =
+          c.step_interval_permille > 1000 ? length / 1000 * uint64_t(c.step_interval_permille) : 0;
+      const uint64_t until = last + (fixed > relative ? fixed : relative);
       const uint64_t start = now;
       while (now < until && doorbell_total() == uint32_t(counter(C_DOORBELL_SEEN)) &&
              blink_load<uint32_t>(&hdr()->shutdown) == 0) {
@@ -965,7 +973,7 @@ struct BlinkSched {
   // step; new work found there triggers a second pass of the schedule.
   BLINK_HD void publish_and_idle() const {
     publish_counters();
-    if (c.min_step_interval_us > 0)
+    if (pacing())
       s(S_PACE) = s(S_NUM_ROWS) > 0 && s(S_PROMPT_ROWS) == 0 && s(S_NUM_ADMITTED) == 0 &&
                   s(S_Q_TAIL) == s(S_Q_HEAD) && !s(S_SHUTDOWN);
     if (s(S_NUM_ROWS) > 0 || s(S_SHUTDOWN) || s(S_ANY_FINISH) || c.idle_poll_us <= 0) return;

@@ -336,14 +336,16 @@ def test_host_mode_equals_persistent(model, dense):
 
 @pytest.mark.parametrize("mode", ["persistent", "host"])
 def test_step_pacing_keeps_the_greedy_outputs(model, dense, mode):
-  """A paced loop (min_step_interval_us) only delays decode steps: same tokens, and its
-  decode steps are at least the interval apart (unpaced, this tiny model's five steps take a
-  few ms)."""
+  """A paced loop (min_step_interval_us, step_interval_factor) only delays decode steps: same
+  tokens, and its decode steps are at least the interval apart (unpaced, this tiny model's
+  five steps take a few ms)."""
   prompts = [[3, 4, 5], [6] * 20]
   # The reference first: with this engine's and the module's engine's persistent loops each
   # holding one of a 2-core machine's XLA CPU threads, nothing else would run meanwhile.
   want = [dense(p, 6) for p in prompts]
-  with Engine(model, None, mode=mode, min_step_interval_us=150_000, **ENGINE_KW) as eng:
+  with Engine(model, None, mode=mode, min_step_interval_us=150_000, step_interval_factor=1.5,
+              **ENGINE_KW) as eng:
+    assert eng.sched.step_interval_permille == 1500  # the later of the two: 150 ms here
     outs = eng.generate(prompt_token_ids=prompts,
                         sampling=SamplingParams(max_tokens=6, ignore_eos=True))
     assert [o.token_ids for o in outs] == want

@@ -1,6 +1,7 @@
-"""Step pacing (min_step_interval_us) on the host build of ffi/scheduler.h: a decode-only step
-with nothing waiting starts no sooner than the interval after the previous step; a new
-request or a cancel ends the wait at once (docs/ARCHITECTURE.md, "Step pacing")."""
+"""Step pacing (min_step_interval_us, step_interval_factor) on the host build of
+ffi/scheduler.h: a decode-only step with nothing waiting starts no sooner than the interval,
+or the factor times the previous step's length, after the previous step; a new request or a
+cancel ends the wait at once (docs/ARCHITECTURE.md, "Step pacing")."""
 from __future__ import annotations
 
 import threading
@@ -48,6 +49,29 @@ def test_paced_decode_steps_keep_the_interval_and_the_outputs():
   assert len(gaps) == 5
   assert gaps[0] < interval_us  # the first decode step is not held back
   assert (gaps[1:] >= 0.8 * interval_us).all(), gaps  # commit-to-commit, jitter allowed
+
+
+@pytest.mark.parametrize("permille,interval_us,want_ms", [
+    (3000, 0, 3 * 25), (1500, 100_000, 100), (1000, 0, 25)])
+def test_relative_pacing_spaces_steps_by_a_multiple_of_their_length(permille, interval_us,
+                                                                     want_ms):
+  # Each step takes 25 ms here (the hook sleeps after its commit): with a factor of 3 a paced
+  # step starts 75 ms after the one before; beside a 100 ms interval the later of the two
+  # wins; 1000 (a factor of 1) is off.
+  region, cfg = _setup(step_interval_permille=permille, min_step_interval_us=interval_us)
+  jobs = [H.Job(0, [5, 6, 7], max_tokens=6, ignore_eos=True)]
+  starts = []
+
+  def hook(step, sched):
+    starts.append(time.monotonic())
+    time.sleep(0.025)
+
+  res = H.run(jobs, cfg, region, step_hook=hook)
+  H.check_run(jobs, res, cfg)
+  gaps = np.diff(starts) * 1e3
+  # Step 0 prefills, step 1 (after a prefill) is not paced, steps 2-5 are.
+  assert len(gaps) == 5 and gaps[0] < 60, gaps
+  assert (gaps[1:] >= 0.9 * want_ms).all() and (gaps[1:] < want_ms + 60).all(), gaps
 
 
 def _decoding_scheduler(interval_us: int):
@@ -109,3 +133,9 @@ def test_pacing_bounds_are_checked():
   with pytest.raises(ValueError, match="min_step_interval_us must be an integer"):
     EngineConfig(min_step_interval_us=-5)
   assert EngineConfig().min_step_interval_us == 0  # off by default: latency first
+  with pytest.raises(ValueError, match=r"step_interval_permille=10001 must be in \[0, 10000\]"):
+    _setup(step_interval_permille=10_001)
+  for bad in (0.5, 11.0, True, "2"):
+    with pytest.raises(ValueError, match="step_interval_factor must be a number in"):
+      EngineConfig(step_interval_factor=bad)
+  assert EngineConfig().step_interval_factor == 1.0

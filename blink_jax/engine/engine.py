@@ -226,7 +226,9 @@ class Engine:
         vocab_size=cfg.vocab_size, max_seqs=c.max_seqs, max_context=c.max_context,
         page_size=c.page_size, num_pages=pages, buckets=c.buckets,
         eos_ids=self.eos_ids, idle_poll_us=c.idle_poll_us, arena_tokens=self.geo.arena_tokens,
-        min_step_interval_us=c.min_step_interval_us, prefix_caching=int(c.prefix_caching),
+        min_step_interval_us=c.min_step_interval_us,
+        step_interval_permille=round(c.step_interval_factor * 1000),
+        prefix_caching=int(c.prefix_caching),
         window=cfg.sliding_window if c.windowed_pages else 0,
         window_pages=c.window_pages(cfg.sliding_window) if c.windowed_pages else 0)
     self.executor = Executor(model, self.sched, max_top_logprobs=c.max_top_logprobs,

@@ -63,6 +63,7 @@ class SchedConfig:
   prefix_caching: int = 0  # automatic prefix caching, off
   window: int = 0  # windowed pages: the sliding window in tokens (0: off)
   window_pages: int = 0  # windowed pages: ring pages per lane
+  step_interval_permille: int = 0  # step pacing relative to the step's length, off
 
   @classmethod
   def build(cls, *, buckets: tuple[int, ...], eos_ids: tuple[int, ...] = (), **kw) -> "SchedConfig":
