@@ -48,13 +48,15 @@ def _workload(seed: int):
 
 
 def _run_both(device: jax.Device, seed: int, pace_us: int = 0, prefix_caching: bool = False,
-              windowed: bool = False):
-  """`pace_us`: step pacing on (ARCHITECTURE.md, "Step pacing"): it only delays steps, so
-  the outputs and batches still equal the host run's, and some steps must have waited.
+              windowed: bool = False, pace_permille: int = 0):
+  """`pace_us`, `pace_permille`: step pacing on, a fixed interval or relative to the step's
+  length (ARCHITECTURE.md, "Step pacing"): it only delays steps, so the outputs and batches
+  still equal the host run's, and some steps must have waited.
   `prefix_caching`: on, over prompts that share prefixes; some must hit (unless windowed).
   `windowed`: windowed pages, a window of 4-12 tokens in a ring of up to 15 tokens more."""
   geo, params, jobs = _workload(seed)
   params["min_step_interval_us"] = pace_us
+  params["step_interval_permille"] = pace_permille
   if windowed:
     rng = random.Random(seed + 1000)
     params["window"] = rng.randint(4, 12)
@@ -89,7 +91,7 @@ def _run_both(device: jax.Device, seed: int, pace_us: int = 0, prefix_caching: b
   assert len(host.trace) == len(xla.trace)
   for x, y in zip(host.trace, xla.trace):
     np.testing.assert_array_equal(x, y)
-  assert all(paced) if pace_us else not any(paced), paced
+  assert all(paced) if pace_us or pace_permille > 1000 else not any(paced), paced
   if prefix_caching and not windowed:
     assert host.summary["prefix_hits"] > 0
   if windowed:  # the ring caps a lane's chunk below the step's budget of 16
@@ -105,6 +107,12 @@ def test_cpu_handlers_match_host_run(seed):
 
 def test_cpu_handlers_match_host_run_with_step_pacing():
   _run_both(jax.devices("cpu")[0], 1, pace_us=2000)
+
+
+def test_cpu_handlers_match_host_run_with_relative_step_pacing():
+  # A paced step waits as long again as the step before it took (the harness's own work
+  # included), so every run has paced steps whatever the machine's speed.
+  _run_both(jax.devices("cpu")[0], 2, pace_permille=2000)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -133,6 +141,7 @@ def test_cuda_handlers_match_host_run_with_step_pacing():
   # launch, the copies back and the harness's own work can take over 2 ms on a busy host,
   # and then no step waits (0 paced steps once on the H200, 2026-12-05). 20 ms leaves room.
   _run_both(gpus()[0], 1, pace_us=20000)
+  _run_both(gpus()[0], 2, pace_permille=2000)  # relative: waits however long a step takes
 
 
 @pytest.mark.gpu
