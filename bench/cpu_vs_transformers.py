@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 from absl import app, flags
 
 from bench import common as C

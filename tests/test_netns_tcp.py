@@ -12,8 +12,6 @@ from pathlib import Path
 import openai
 import pytest
 
-from blink_jax.client.tokenizer import Tokenizer
-from blink_jax.client import shm
 from nic_frontend.transports import tcp
 from tests import fake_device as FD
 

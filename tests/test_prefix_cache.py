@@ -7,7 +7,6 @@ from __future__ import annotations
 import ctypes
 
 import numpy as np
-import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule

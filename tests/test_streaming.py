@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 from blink_jax.client import protocol as P
 from blink_jax.client.tokenizer import Tokenizer
 from blink_jax.client.streaming import ChoiceDecoder, DeviceError, StopMatcher, token_info
-from tests import fake_device as FD
 
 
 @pytest.fixture(scope="module")
