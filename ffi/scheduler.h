@@ -946,9 +946,9 @@ struct BlinkSched {
     if (s(S_PACE)) {
       const uint64_t last = uint64_t(uint32_t(s(S_PACE_T_LO))) | uint64_t(uint32_t(s(S_PACE_T_HI))) << 32;
       const uint64_t fixed = uint64_t(c.min_step_interval_us) * 1000;
+      // At a permille of 1000 or less the relative interval has passed already: no wait.
       const uint64_t length = now > last ? now - last : 0;
-      const uint64_t relative =
-          c.step_interval_permille > 1000 ? length / 1000 * uint64_t(c.step_interval_permille) : 0;
+      const uint64_t relative = length / 1000 * uint64_t(c.step_interval_permille);
       const uint64_t until = last + (fixed > relative ? fixed : relative);
       const uint64_t start = now;
       while (now < until && doorbell_total() == uint32_t(counter(C_DOORBELL_SEEN)) &&

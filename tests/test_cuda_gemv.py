@@ -22,8 +22,8 @@ def _exact_float32_matmuls():
     yield
 
 
-def _case(rng, tokens, k, n, dtype):
-  x = jnp.asarray(rng.standard_normal((tokens, k)), dtype)
+def _case(rng, k, n, dtype):
+  x = jnp.asarray(rng.standard_normal((1, k)), dtype)
   w = jnp.asarray(rng.standard_normal((k, n)) * k**-0.5, dtype)
   return x, w
 
@@ -34,7 +34,7 @@ def _case(rng, tokens, k, n, dtype):
 def test_partials_add_up_to_the_product(seed, k, n, splits):
   # Split s sums rows [s * chunk, (s + 1) * chunk) of K; splits past the end are zeros.
   splits = min(splits, k)
-  x, w = _case(np.random.default_rng(seed), 1, k, n, jnp.float32)
+  x, w = _case(np.random.default_rng(seed), k, n, jnp.float32)
   p = cuda_gemv.partials(x, w, splits)
   assert p.shape == (splits, 1, n) and p.dtype == jnp.float32
   chunk = -(-k // splits)
@@ -45,7 +45,7 @@ def test_partials_add_up_to_the_product(seed, k, n, splits):
 
 
 def test_matmul_is_the_product_in_the_input_dtype():
-  x, w = _case(np.random.default_rng(6), 1, 96, 128, jnp.float32)
+  x, w = _case(np.random.default_rng(6), 96, 128, jnp.float32)
   got = cuda_gemv.matmul(x, w)
   assert got.dtype == jnp.float32 and got.shape == (1, 128)
   np.testing.assert_allclose(np.asarray(got), np.asarray(x @ w), atol=1e-5, rtol=1e-5)
@@ -67,7 +67,7 @@ def test_default_splits_put_every_load_in_flight_and_cover_the_gpu():
 
 
 def test_rejects_what_it_cannot_run():
-  x, w = _case(np.random.default_rng(1), 1, 64, 64, jnp.float32)
+  x, w = _case(np.random.default_rng(1), 64, 64, jnp.float32)
   with pytest.raises(ValueError, match=r"got x \(1, 64\) and w \(64, 100\)"):
     cuda_gemv.partials(x, jnp.zeros((64, 100)))
   with pytest.raises(ValueError, match=r"blink_gemv takes x \[1, K\].*got x \(2, 64\)"):
@@ -100,7 +100,7 @@ def test_cuda_kernel_matches_the_jnp_partials_on_the_gpu():
   rng = np.random.default_rng(3)
   shapes = [(6912, 1152), (1152, 13824), (1152, 1536), (1024, 1152), (100, 64)]
   for k, n in shapes:
-    x, w = _case(rng, 1, k, n, jnp.bfloat16)
+    x, w = _case(rng, k, n, jnp.bfloat16)
     for splits in (1, cuda_gemv.default_splits(k, n), min(k, 64)):
       got = jax.jit(lambda a, b, s=splits: cuda_gemv.partials(a, b, s, use_kernel=True))(x, w)
       want = cuda_gemv.reference_partials(x, w, splits)
@@ -132,7 +132,7 @@ def test_down_projection_with_the_add_norm_kernel_on_the_gpu():
 def test_gate_up_matmul_on_the_gpu():
   # The 1B shape's gate/up projection at batch 1: its splits added up by XLA, in bf16.
   require_gpu()
-  x, w = _case(np.random.default_rng(7), 1, 1152, 13824, jnp.bfloat16)
+  x, w = _case(np.random.default_rng(7), 1152, 13824, jnp.bfloat16)
   got = jax.jit(lambda a, b: cuda_gemv.matmul(a, b, use_kernel=True))(x, w)
   assert got.dtype == jnp.bfloat16
   want = jnp.dot(x, w, preferred_element_type=jnp.float32)
