@@ -197,16 +197,17 @@ def kernels_record(options, platform: str | None = None) -> dict:
   return out
 
 
-def write_result(path: str, name: str, rows, extra: dict | None = None) -> pathlib.Path:
+def write_result(path: str, name: str, rows, extra: dict | None = None,
+                 device: str | None = None) -> pathlib.Path:
   """Writes a result file (relative paths: under the repository root, e.g.
-  bench/results/...): the device, date, command, git revision, versions, XLA flags and
-  overrides, then `rows` under "results" and `extra` (a benchmark that builds an engine puts
-  its KernelOptions there, as "kernels")."""
+  bench/results/...): the device (`device`, else JAX's first device), date, command, git
+  revision, versions, XLA flags and overrides, then `rows` under "results" and `extra` (a
+  benchmark that builds an engine puts its KernelOptions there, as "kernels")."""
   out = pathlib.Path(path)
   if not out.is_absolute():
     out = ROOT / out
   out.parent.mkdir(parents=True, exist_ok=True)
-  doc = {"benchmark": name, "device": describe_device(),
+  doc = {"benchmark": name, "device": device or describe_device(),
          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
          "command": command_line(),
          "git_revision": git_revision(), "jax": _jax_version(), "python": platform.python_version(),

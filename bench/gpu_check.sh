@@ -78,6 +78,7 @@ step_mixed      | step_mixed             | python3 -m bench.step --config gemma3
 mixed_profile   | mixed_kernels          | rm -rf /tmp/step_profile; python3 -m bench.step --config gemma3-1b --batches "" --prefill_lengths "" --mixed 4096:128 --noscheduler --nocommand_buffers --steps 15 --profile /tmp/step_profile --profile_steps 5 --out "$OUT/step_profiled_mixed.json" $ARGS && python3 -m bench.kernel_profile --trace /tmp/step_profile/mixed_t4096_d128 --iterations 5 --top 40 --out "$out" | head -60
 kernel_profile  | kernel_profile         | for b in 1 64; do python3 -m bench.executor --config gemma3-1b --prompt 1024 --tokens 128 --modes persistent --batches $b --interference 0 --profile /tmp/blink_profile --out "$OUT/profiled_b$b.json" $ARGS && python3 -m bench.kernel_profile --trace /tmp/blink_profile/persistent_b$b --out "${out%.json}_b$b.json" | head -32 && find /tmp/blink_profile/persistent_b$b -name perfetto_trace.json.gz -exec cp {} "$OUT/perfetto_b$b.json.gz" \; ; done
 step_profile    | step_kernels           | for b in ${PROFILE_BATCHES:-1 8 64}; do rm -rf /tmp/step_profile; python3 -m bench.step --config gemma3-1b --batches $b --prefill_lengths "" --noscheduler --nocommand_buffers --profile /tmp/step_profile --profile_steps 20 --out "$OUT/step_profiled_b$b.json" $ARGS && python3 -m bench.kernel_profile --trace /tmp/step_profile/decode_b$b --iterations 20 --top 40 --out "${out%.json}_b$b.json" | head -60; done
+vllm_step       | vllm_step              | rm -rf /tmp/vllm_profile; python3 -m bench.vllm_step --peer_dir .carry/peer --config gemma3-1b --batches ${VLLM_STEP_BATCHES:-1,8} --profile_dir /tmp/vllm_profile --out "$out" $ARGS
 tp              | executor_tp            | for n in ${TP_SIZES:-1 2}; do python3 -m bench.executor --config ${TP_CONFIG:-gemma3-27b} --prompt 1024 --tokens 128 --batches 1,64 --modes persistent --interference 32 --tensor_parallel $n --out "${out%.json}_${TP_CONFIG:-gemma3-27b}_tp$n.json" $ARGS; done
 hf              | hf_reference           | python3 -m bench.hf_reference --config gemma3-1b --prompt 1024 --tokens 128 --repeats 3 --compile ${HF_COMPILE:-eager,auto,max-autotune} --out "$out" $ARGS
 serving         | -                      | TOKENIZER=${TOKENIZER:-.carry/tokenizer.model} bash bench/serving_suite.sh
@@ -109,6 +110,9 @@ export GPU_TEST_FILES=$(echo $GPU_TEST_FILES)
 # restart = serve.py started twice on one compilation cache (bench/restart.sh: start times,
 # loop reports, the same greedy answer);
 # gemv = each projection of a 1B step, XLA's matmul against the CUDA GEMV at every split count;
+# vllm_step = vLLM's decode step at VLLM_STEP_BATCHES (default 1,8): ms and J per step (total
+# and above idle) and its kernels by name at the first, beside `step` / `step_profile` for
+# ours (issue 25's energy); after bench/vllm_install.sh, in the call that carries the last part;
 # step_profile = the kernels of a bare decode step at PROFILE_BATCHES (default "1 8 64": a
 # step of 8 rows took 2.1 ms against 1.5 at one on an H100, to be broken down);
 # sampling = the sampler per step by mode (greedy, temperature, top-p, top-k) and rows, each

@@ -1,0 +1,223 @@
+"""vLLM's decode step, for the energy comparison of issue 25: milliseconds and joules (NVML's
+energy counter, total and above idle) per decode step of vLLM 0.26 at a few batch sizes, and
+optionally the GPU kernels of its step by name (its torch profiler), beside `bench.step`'s
+figures for ours (docs/PERFORMANCE.md, "Pacing relative to the step against vLLM (revision
+51be640)": at the same tokens per step our step costs 1.05-1.13x vLLM's energy above idle;
+this says whether vLLM's is cheaper by time or by power, and in which kernels).
+
+  VLLM_SITE=/tmp/vllm/site python -m bench.vllm_step --peer_dir .carry/peer \
+      --config gemma3-1b --batches 1,8 --profile_dir /tmp/vllm_profile \
+      --out bench/results/vllm_step_h100.json
+
+The model: the peer's folder `<peer_dir>/<config>` (bench/peer.py; random weights, vLLM's
+`load_format="dummy"`), as the serving runs have it. A point is B prompts of --context random
+tokens, generated greedily with `ignore_eos` twice: 1 token (the prefill and the first token)
+and 1 + --tokens; the difference over --tokens is one decode step of B sequences at about
+--context, the whole engine's (scheduler, sampler, its CPU time between steps on the GPU's
+clock too), as it serves, against the bare model step `bench.step` times for ours. Repeats
+alternate the two lengths; medians and spreads reported. The kernel table is the same
+difference, per kernel name, of two profiled generates.
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+import sys
+import time
+
+import numpy as np
+from absl import app, flags
+
+from bench import common as C
+
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  flags.DEFINE_string("vllm_path", os.environ.get("VLLM_SITE", "/tmp/vllm/site"),
+                      "vLLM's site-packages (bench/vllm_install.sh unpacks them there)")
+  flags.DEFINE_string("peer_dir", ".carry/peer", "the peer's model folders (bench/peer.py)")
+  flags.DEFINE_string("config", "gemma3-1b", "model shape: <peer_dir>/<config>")
+  flags.DEFINE_list("batches", ["1", "8"], "decode batch sizes")
+  flags.DEFINE_integer("context", 1024, "prompt tokens of every sequence")
+  flags.DEFINE_integer("tokens", 128, "decode steps timed per point")
+  flags.DEFINE_integer("repeats", 3, "timed pairs (1 and 1 + --tokens) per point")
+  flags.DEFINE_float("gpu_memory_utilization", 0.9, "vLLM's --gpu-memory-utilization")
+  flags.DEFINE_float("idle_s", 3.0, "seconds of idle power measured after vLLM's start")
+  flags.DEFINE_string("profile_dir", None, "absolute folder for vLLM's torch profiler traces: "
+                      "adds the kernel table of the first batch size (none when unset)")
+  flags.DEFINE_integer("profile_tokens", 32, "decode steps of the profiled generate")
+  flags.DEFINE_integer("top", 30, "kernels listed by name")
+  flags.DEFINE_integer("seed", 0, "prompt tokens")
+  flags.DEFINE_string("out", "bench/results/vllm_step.json", "result file")
+
+
+def per_step(short: dict, long: dict, tokens: int, idle_w: float | None) -> dict:
+  """One decode step from two generates of the same prompts ({"seconds", "joules"}: 1 and
+  1 + tokens output tokens each): ms, J, J above idle, watts over the extra steps."""
+  seconds = (long["seconds"] - short["seconds"]) / tokens
+  out = {"ms_per_step": 1e3 * seconds}
+  if short.get("joules") is not None and long.get("joules") is not None:
+    joules = (long["joules"] - short["joules"]) / tokens
+    out.update(energy_per_step_j=joules, avg_power_w=joules / seconds if seconds > 0 else None)
+    if idle_w is not None:
+      out["energy_above_idle_per_step_j"] = joules - idle_w * seconds
+  return out
+
+
+def median_row(pairs: list[dict]) -> dict:
+  """Median of each figure over the repeats, with min and max."""
+  row = {}
+  for key in pairs[0]:
+    values = [p[key] for p in pairs if p.get(key) is not None]
+    if values:
+      row[key] = float(np.median(values))
+      row[key + "_min"], row[key + "_max"] = float(min(values)), float(max(values))
+  return row
+
+
+def trace_kernels(trace: dict) -> list[tuple[str, float]]:
+  """(name, duration us) of every GPU kernel, memcpy and memset of a torch profiler trace."""
+  return [(e["name"], float(e["dur"])) for e in trace.get("traceEvents", [])
+          if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+          and "dur" in e]
+
+
+def kernel_table(short: list[tuple[str, float]], long: list[tuple[str, float]], tokens: int,
+                 top: int) -> dict:
+  """Per kernel name, launches and microseconds per decode step: the profiled generate of 1 +
+  tokens output tokens less the one of 1 (the same prefill), over tokens."""
+  sums = {}
+  for sign, kernels in ((-1, short), (1, long)):
+    for name, dur in kernels:
+      n, us = sums.get(name, (0, 0.0))
+      sums[name] = (n + sign, us + sign * dur)
+  rows = [{"kernel": name, "launches_per_step": n / tokens, "us_per_step": us / tokens}
+          for name, (n, us) in sums.items() if us > 0 and n > 0]
+  rows.sort(key=lambda r: -r["us_per_step"])
+  return {"busy_us_per_step": sum(r["us_per_step"] for r in rows),
+          "launches_per_step": sum(r["launches_per_step"] for r in rows),
+          "top_kernels": rows[:top]}
+
+
+def gpu_name() -> str:
+  """The result's device, from NVML (this process never starts JAX beside vLLM's torch)."""
+  meter = C.EnergyCounter()
+  if meter.reason:
+    return f"unknown ({meter.reason})"
+  names = [meter.nvml.nvmlDeviceGetName(h) for h in meter.handles]
+  names = [n.decode() if isinstance(n, bytes) else n for n in names]
+  return f"gpu:{names[0]} ({len(names)} devices)"
+
+
+def _new_traces(directory: str, before: set[str], timeout_s: float = 180.0) -> list[str]:
+  """The trace files vLLM wrote into `directory` since `before` (by its worker process, after
+  stop_profile returns: waited for until their sizes hold still between two looks)."""
+  deadline, last = time.monotonic() + timeout_s, None
+  while time.monotonic() < deadline:
+    new = sorted(set(glob.glob(os.path.join(directory, "**", "*.json*"), recursive=True)) - before)
+    sizes = [os.path.getsize(p) for p in new]
+    if new and all(sizes) and sizes == last:
+      return new
+    last = sizes
+    time.sleep(1.0)
+  raise TimeoutError(f"no new trace in {directory} after {timeout_s:.0f} s")
+
+
+def _load_trace(path: str) -> dict:
+  opener = gzip.open if path.endswith(".gz") else open
+  with opener(path, "rt") as f:
+    return json.load(f)
+
+
+def main(argv):
+  del argv
+  sys.path.insert(0, FLAGS.vllm_path)
+  os.environ.setdefault("HF_HUB_OFFLINE", "1")
+  import vllm
+  from vllm import LLM, SamplingParams
+
+  profile_dir = os.path.abspath(FLAGS.profile_dir) if FLAGS.profile_dir else None
+  batches = [int(b) for b in FLAGS.batches]
+  kwargs = dict(model=os.path.join(FLAGS.peer_dir, FLAGS.config),
+                tokenizer=os.path.join(FLAGS.peer_dir, "tokenizer"), load_format="dummy",
+                dtype="bfloat16", seed=FLAGS.seed, max_num_seqs=max(batches),
+                max_model_len=FLAGS.context + FLAGS.tokens + 16,
+                gpu_memory_utilization=FLAGS.gpu_memory_utilization,
+                enable_prefix_caching=False)
+  if profile_dir:
+    os.makedirs(profile_dir, exist_ok=True)
+    kwargs["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": profile_dir,
+                                 "torch_profiler_with_stack": False}
+  llm = LLM(**kwargs)
+  vocab = llm.llm_engine.model_config.get_vocab_size()
+
+  time.sleep(1.0)
+  with C.EnergyCounter() as idle:
+    time.sleep(FLAGS.idle_s)
+  idle_w = idle.joules / idle.seconds if idle.joules is not None else None
+  print(f"vllm {vllm.__version__}, {gpu_name()}, idle "
+        + (f"{idle_w:.1f} W" if idle_w is not None else f"power unknown ({idle.reason})"))
+
+  rng = np.random.default_rng(FLAGS.seed)
+
+  def prompts(batch):
+    return [{"prompt_token_ids": rng.integers(10, vocab - 1, FLAGS.context).tolist()}
+            for _ in range(batch)]
+
+  def generate(batch_prompts, n):
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+    with C.EnergyCounter() as meter:
+      t0 = time.monotonic()
+      outs = llm.generate(batch_prompts, params, use_tqdm=False)
+      seconds = time.monotonic() - t0
+    lengths = {len(o.outputs[0].token_ids) for o in outs}
+    if lengths != {n}:
+      raise RuntimeError(f"asked for {n} tokens a sequence, vLLM gave {sorted(lengths)}")
+    return {"seconds": seconds, "joules": meter.joules}
+
+  rows = []
+  for batch in batches:
+    generate(prompts(batch), 2)  # warm-up: this batch size's graphs and buffers
+    pairs = []
+    for _ in range(FLAGS.repeats):
+      # Fresh prompts each time (no prefix caching anyway), the same ones for both lengths.
+      p = prompts(batch)
+      short, long = generate(p, 1), generate(p, 1 + FLAGS.tokens)
+      pairs.append(per_step(short, long, FLAGS.tokens, idle_w))
+    row = {"batch": batch, "context": FLAGS.context, "tokens": FLAGS.tokens, **median_row(pairs)}
+    rows.append(row)
+    print(C.table([row], ["batch", "ms_per_step", "energy_per_step_j",
+                          "energy_above_idle_per_step_j", "avg_power_w"]))
+
+  profile = None
+  if profile_dir:
+    batch, n = batches[0], FLAGS.profile_tokens
+    p = prompts(batch)
+    traces = []
+    for tokens in (1, 1 + n):
+      before = set(glob.glob(os.path.join(profile_dir, "**", "*.json*"), recursive=True))
+      llm.start_profile(f"b{batch}_n{tokens}")
+      generate(p, tokens)
+      llm.stop_profile()
+      traces.append(_new_traces(profile_dir, before))
+    # Every file a profiled generate left (a CPU-only one adds no kernels).
+    short, long = ([k for path in paths for k in trace_kernels(_load_trace(path))]
+                   for paths in traces)
+    profile = {"batch": batch, "tokens": n, "traces": traces,
+               **kernel_table(short, long, n, FLAGS.top)}
+    print(f"batch {batch}: {profile['launches_per_step']:.0f} launches and "
+          f"{profile['busy_us_per_step']:.0f} us of kernel time per decode step")
+    print(C.table(profile["top_kernels"], ["kernel", "launches_per_step", "us_per_step"]))
+
+  C.write_result(FLAGS.out, "vllm_step", rows,
+                 {"vllm": vllm.__version__, "config": FLAGS.config, "idle_power_w": idle_w,
+                  "engine_args": {k: v for k, v in kwargs.items() if k != "profiler_config"},
+                  "kernel_profile": profile}, device=gpu_name())
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

@@ -1,0 +1,82 @@
+"""bench/vllm_step.py: vLLM's decode step from two generates, its kernels from two traces (the
+parts that need no GPU and no vLLM; the benchmark itself runs on the device machine)."""
+import gzip
+import json
+import threading
+
+import pytest
+
+from bench import vllm_step as V
+
+
+def test_a_step_is_the_difference_of_the_two_generates_over_the_tokens():
+  short = {"seconds": 0.050, "joules": 15.0}      # prefill + first token
+  long = {"seconds": 0.050 + 128 * 0.002, "joules": 15.0 + 128 * 0.6}
+  step = V.per_step(short, long, 128, idle_w=120.0)
+  assert step["ms_per_step"] == pytest.approx(2.0)
+  assert step["energy_per_step_j"] == pytest.approx(0.6)
+  assert step["avg_power_w"] == pytest.approx(300.0)
+  assert step["energy_above_idle_per_step_j"] == pytest.approx(0.6 - 120.0 * 0.002)
+
+
+def test_without_an_energy_counter_only_time_is_reported():
+  step = V.per_step({"seconds": 1.0, "joules": None}, {"seconds": 2.0, "joules": None}, 100,
+                    idle_w=None)
+  assert step == {"ms_per_step": pytest.approx(10.0)}
+
+
+def test_median_row_keeps_the_spread():
+  row = V.median_row([{"ms_per_step": 2.0, "energy_per_step_j": None},
+                      {"ms_per_step": 1.0, "energy_per_step_j": None},
+                      {"ms_per_step": 4.0, "energy_per_step_j": None}])
+  assert row == {"ms_per_step": 2.0, "ms_per_step_min": 1.0, "ms_per_step_max": 4.0}
+
+
+def _trace(kernels):
+  """A torch profiler trace: CPU ops, CUDA runtime calls and GPU kernels."""
+  events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 50.0},
+            {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 1, "dur": 9.0}]
+  events += [{"ph": "X", "cat": cat, "name": n, "ts": 10 + i, "dur": d}
+             for i, (cat, n, d) in enumerate(kernels)]
+  return {"traceEvents": events}
+
+
+def test_trace_kernels_are_the_gpu_events_only():
+  trace = _trace([("kernel", "gemv_kernel", 4.0), ("gpu_memcpy", "Memcpy HtoD", 1.5),
+                  ("gpu_memset", "Memset", 0.5)])
+  assert V.trace_kernels(trace) == [("gemv_kernel", 4.0), ("Memcpy HtoD", 1.5),
+                                    ("Memset", 0.5)]
+
+
+def test_kernel_table_takes_the_prefill_out():
+  prefill = [("flash_fwd_prefill", 300.0), ("gemm_big", 500.0), ("sample", 5.0)]
+  step = [("gemv", 10.0), ("gemv", 12.0), ("flash_decode", 6.0), ("sample", 5.0)]
+  short = prefill
+  long = prefill + step * 4  # 4 decode steps after the same prefill
+  table = V.kernel_table(short, long, tokens=4, top=2)
+  assert table["busy_us_per_step"] == pytest.approx(33.0)
+  assert table["launches_per_step"] == pytest.approx(4.0)
+  assert [r["kernel"] for r in table["top_kernels"]] == ["gemv", "flash_decode"]
+  assert table["top_kernels"][0]["us_per_step"] == pytest.approx(22.0)
+  assert table["top_kernels"][0]["launches_per_step"] == pytest.approx(2.0)
+
+
+def test_the_new_trace_is_waited_for_until_written(tmp_path):
+  old = tmp_path / "old.pt.trace.json.gz"
+  old.write_bytes(b"x")
+  before = {str(old)}
+  path = tmp_path / "worker" / "b1_n33_dp0_pp0_tp0.pt.trace.json.gz"
+
+  def write():
+    path.parent.mkdir()
+    with gzip.open(path, "wt") as f:
+      json.dump(_trace([("kernel", "k", 1.0)]), f)
+  threading.Timer(0.3, write).start()
+  found = V._new_traces(str(tmp_path), before, timeout_s=10)
+  assert found == [str(path)]
+  assert V.trace_kernels(V._load_trace(found[0])) == [("k", 1.0)]
+
+
+def test_no_trace_is_a_clear_timeout(tmp_path):
+  with pytest.raises(TimeoutError, match="no new trace"):
+    V._new_traces(str(tmp_path), set(), timeout_s=0.5)
