@@ -88,12 +88,19 @@ def table(rows: list[dict], cols: list[str]) -> str:
 
 
 def describe_device() -> str:
-  try:
-    import jax
-  except ImportError:  # a load-generator host (e.g. benchmarking another server) needs no JAX
-    return f"no jax on this host ({platform.node()})"
-  d = jax.devices()[0]
-  return f"{d.platform}:{getattr(d, 'device_kind', '')} ({len(jax.devices())} devices)"
+  """JAX's first device, where this process runs JAX; else (a load generator, a torch
+  benchmark) the GPUs NVML sees, or the host CPU: such a process must not start a JAX client
+  on a GPU that a server beside it holds."""
+  jax = sys.modules.get("jax")
+  if jax is not None:
+    d = jax.devices()[0]
+    return f"{d.platform}:{getattr(d, 'device_kind', '')} ({len(jax.devices())} devices)"
+  meter = EnergyCounter()
+  if not meter.reason:
+    names = [meter.nvml.nvmlDeviceGetName(h) for h in meter.handles]
+    names = [n.decode() if isinstance(n, bytes) else n for n in names]
+    return f"gpu:{names[0]} ({len(names)} devices)"
+  return f"cpu:{cpu_model()} ({platform.node()})"
 
 
 def cpu_model() -> str:
@@ -123,10 +130,11 @@ def git_revision() -> str:
 
 
 def _jax_version() -> str | None:
+  """The installed JAX's version, without importing it (see describe_device)."""
+  from importlib import metadata
   try:
-    import jax
-    return jax.__version__
-  except ImportError:
+    return metadata.version("jax")
+  except metadata.PackageNotFoundError:
     return None
 
 
@@ -197,17 +205,16 @@ def kernels_record(options, platform: str | None = None) -> dict:
   return out
 
 
-def write_result(path: str, name: str, rows, extra: dict | None = None,
-                 device: str | None = None) -> pathlib.Path:
+def write_result(path: str, name: str, rows, extra: dict | None = None) -> pathlib.Path:
   """Writes a result file (relative paths: under the repository root, e.g.
-  bench/results/...): the device (`device`, else JAX's first device), date, command, git
-  revision, versions, XLA flags and overrides, then `rows` under "results" and `extra` (a
-  benchmark that builds an engine puts its KernelOptions there, as "kernels")."""
+  bench/results/...): the device (describe_device), date, command, git revision, versions,
+  XLA flags and overrides, then `rows` under "results" and `extra` (a benchmark that builds an
+  engine puts its KernelOptions there, as "kernels")."""
   out = pathlib.Path(path)
   if not out.is_absolute():
     out = ROOT / out
   out.parent.mkdir(parents=True, exist_ok=True)
-  doc = {"benchmark": name, "device": device or describe_device(),
+  doc = {"benchmark": name, "device": describe_device(),
          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
          "command": command_line(),
          "git_revision": git_revision(), "jax": _jax_version(), "python": platform.python_version(),

@@ -102,16 +102,6 @@ def kernel_table(short: list[tuple[str, float]], long: list[tuple[str, float]], 
           "top_kernels": rows[:top]}
 
 
-def gpu_name() -> str:
-  """The result's device, from NVML (this process never starts JAX beside vLLM's torch)."""
-  meter = C.EnergyCounter()
-  if meter.reason:
-    return f"unknown ({meter.reason})"
-  names = [meter.nvml.nvmlDeviceGetName(h) for h in meter.handles]
-  names = [n.decode() if isinstance(n, bytes) else n for n in names]
-  return f"gpu:{names[0]} ({len(names)} devices)"
-
-
 def _new_traces(directory: str, before: set[str], timeout_s: float = 180.0) -> list[str]:
   """The trace files vLLM wrote into `directory` since `before` (by its worker process, after
   stop_profile returns: waited for until their sizes hold still between two looks)."""
@@ -158,7 +148,7 @@ def main(argv):
   with C.EnergyCounter() as idle:
     time.sleep(FLAGS.idle_s)
   idle_w = idle.joules / idle.seconds if idle.joules is not None else None
-  print(f"vllm {vllm.__version__}, {gpu_name()}, idle "
+  print(f"vllm {vllm.__version__}, {C.describe_device()}, idle "
         + (f"{idle_w:.1f} W" if idle_w is not None else f"power unknown ({idle.reason})"))
 
   rng = np.random.default_rng(FLAGS.seed)
@@ -215,7 +205,7 @@ def main(argv):
   C.write_result(FLAGS.out, "vllm_step", rows,
                  {"vllm": vllm.__version__, "config": FLAGS.config, "idle_power_w": idle_w,
                   "engine_args": {k: v for k, v in kwargs.items() if k != "profiler_config"},
-                  "kernel_profile": profile}, device=gpu_name())
+                  "kernel_profile": profile})
 
 
 if __name__ == "__main__":

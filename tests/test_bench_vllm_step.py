@@ -80,3 +80,17 @@ def test_the_new_trace_is_waited_for_until_written(tmp_path):
 def test_no_trace_is_a_clear_timeout(tmp_path):
   with pytest.raises(TimeoutError, match="no new trace"):
     V._new_traces(str(tmp_path), set(), timeout_s=0.5)
+
+
+def test_a_result_written_without_jax_does_not_start_jax(tmp_path):
+  """A load generator or a torch benchmark (this one, beside vLLM) names its device without
+  starting a JAX client on the GPU a server holds."""
+  import subprocess
+  import sys
+  code = ("import sys, json; from bench import common as C; "
+          f"p = C.write_result({str(tmp_path / 'r.json')!r}, 'x', []); "
+          "print('jax' in sys.modules, json.load(open(p))['device'])")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=True, cwd=V.C.ROOT).stdout.split("\n")[-2]
+  assert out.startswith("False "), out
+  assert out.split(" ", 1)[1].startswith(("gpu:", "cpu:")), out
