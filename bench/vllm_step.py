@@ -42,7 +42,8 @@ def define_flags():
   flags.DEFINE_string("config", "gemma3-1b", "model shape: <peer_dir>/<config>")
   flags.DEFINE_list("batches", ["1", "8"], "decode batch sizes")
   flags.DEFINE_integer("context", 1024, "prompt tokens of every sequence")
-  flags.DEFINE_integer("tokens", 128, "decode steps timed per point")
+  flags.DEFINE_integer("tokens", 512, "decode steps timed per point (NVML's energy counter "
+                       "moves in steps of tens of ms: most of a second at batch 1)")
   flags.DEFINE_integer("repeats", 3, "timed pairs (1 and 1 + --tokens) per point")
   flags.DEFINE_float("gpu_memory_utilization", 0.9, "vLLM's --gpu-memory-utilization")
   flags.DEFINE_float("idle_s", 3.0, "seconds of idle power measured after vLLM's start")
