@@ -47,7 +47,7 @@ def define_flags():
   flags.DEFINE_integer("repeats", 3, "timed pairs (1 and 1 + --tokens) per point")
   flags.DEFINE_float("gpu_memory_utilization", 0.9, "vLLM's --gpu-memory-utilization")
   flags.DEFINE_float("idle_s", 3.0, "seconds of idle power measured after vLLM's start")
-  flags.DEFINE_string("profile_dir", None, "absolute folder for vLLM's torch profiler traces: "
+  flags.DEFINE_string("profile_dir", None, "folder for vLLM's torch profiler traces: "
                       "adds the kernel table of the first batch size (none when unset)")
   flags.DEFINE_integer("profile_tokens", 32, "decode steps of the profiled generate")
   flags.DEFINE_integer("top", 30, "kernels listed by name")
