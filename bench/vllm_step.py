@@ -15,8 +15,8 @@ tokens, generated greedily with `ignore_eos` twice: 1 token (the prefill and the
 and 1 + --tokens; the difference over --tokens is one decode step of B sequences at about
 --context, the whole engine's (scheduler, sampler, its CPU time between steps on the GPU's
 clock too), as it serves, against the bare model step `bench.step` times for ours. Repeats
-alternate the two lengths; medians and spreads reported. The kernel table is the same
-difference, per kernel name, of two profiled generates.
+alternate the two lengths; medians and spreads reported (bench.common.stats). The kernel
+table is the same difference, per kernel name, of two profiled generates.
 """
 from __future__ import annotations
 
@@ -68,17 +68,6 @@ def per_step(short: dict, long: dict, tokens: int, idle_w: float | None) -> dict
   return out
 
 
-def median_row(pairs: list[dict]) -> dict:
-  """Median of each figure over the repeats, with min and max."""
-  row = {}
-  for key in pairs[0]:
-    values = [p[key] for p in pairs if p.get(key) is not None]
-    if values:
-      row[key] = float(np.median(values))
-      row[key + "_min"], row[key + "_max"] = float(min(values)), float(max(values))
-  return row
-
-
 def trace_kernels(trace: dict) -> list[tuple[str, float]]:
   """(name, duration us) of every GPU kernel, memcpy and memset of a torch profiler trace."""
   return [(e["name"], float(e["dur"])) for e in trace.get("traceEvents", [])
@@ -103,12 +92,17 @@ def kernel_table(short: list[tuple[str, float]], long: list[tuple[str, float]], 
           "top_kernels": rows[:top]}
 
 
+def _traces(directory: str) -> set[str]:
+  """The trace files under `directory` (vLLM's worker names them <prefix>...pt.trace.json.gz)."""
+  return set(glob.glob(os.path.join(directory, "**", "*.json*"), recursive=True))
+
+
 def _new_traces(directory: str, before: set[str], timeout_s: float = 180.0) -> list[str]:
   """The trace files vLLM wrote into `directory` since `before` (by its worker process, after
   stop_profile returns: waited for until their sizes hold still between two looks)."""
   deadline, last = time.monotonic() + timeout_s, None
   while time.monotonic() < deadline:
-    new = sorted(set(glob.glob(os.path.join(directory, "**", "*.json*"), recursive=True)) - before)
+    new = sorted(_traces(directory) - before)
     sizes = [os.path.getsize(p) for p in new]
     if new and all(sizes) and sizes == last:
       return new
@@ -178,10 +172,14 @@ def main(argv):
       p = prompts(batch)
       short, long = generate(p, 1), generate(p, 1 + FLAGS.tokens)
       pairs.append(per_step(short, long, FLAGS.tokens, idle_w))
-    row = {"batch": batch, "context": FLAGS.context, "tokens": FLAGS.tokens, **median_row(pairs)}
+    row = {"batch": batch, "context": FLAGS.context, "tokens": FLAGS.tokens}
+    for key in pairs[0]:  # median, min, max and every repeat, named as bench.step's
+      values = [p[key] for p in pairs if p.get(key) is not None]
+      if values:
+        row.update(C.stats(values, key))
     rows.append(row)
-    print(C.table([row], ["batch", "ms_per_step", "energy_per_step_j",
-                          "energy_above_idle_per_step_j", "avg_power_w"]))
+    print(C.table([row], ["batch", "ms_per_step_median", "energy_per_step_j_median",
+                          "energy_above_idle_per_step_j_median", "avg_power_w_median"]))
 
   profile = None
   if profile_dir:
@@ -189,7 +187,7 @@ def main(argv):
     p = prompts(batch)
     traces = []
     for tokens in (1, 1 + n):
-      before = set(glob.glob(os.path.join(profile_dir, "**", "*.json*"), recursive=True))
+      before = _traces(profile_dir)
       llm.start_profile(f"b{batch}_n{tokens}")
       generate(p, tokens)
       llm.stop_profile()

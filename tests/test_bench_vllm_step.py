@@ -25,13 +25,6 @@ def test_without_an_energy_counter_only_time_is_reported():
   assert step == {"ms_per_step": pytest.approx(10.0)}
 
 
-def test_median_row_keeps_the_spread():
-  row = V.median_row([{"ms_per_step": 2.0, "energy_per_step_j": None},
-                      {"ms_per_step": 1.0, "energy_per_step_j": None},
-                      {"ms_per_step": 4.0, "energy_per_step_j": None}])
-  assert row == {"ms_per_step": 2.0, "ms_per_step_min": 1.0, "ms_per_step_max": 4.0}
-
-
 def _trace(kernels):
   """A torch profiler trace: CPU ops, CUDA runtime calls and GPU kernels."""
   events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 50.0},
