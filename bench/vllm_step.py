@@ -120,7 +120,13 @@ def _load_trace(path: str) -> dict:
 def main(argv):
   del argv
   sys.path.insert(0, FLAGS.vllm_path)
+  # vLLM inspects the model's architecture in a subprocess, which sees PYTHONPATH, not this
+  # sys.path ("Model architectures ['Gemma3ForCausalLM'] failed to be inspected" otherwise);
+  # no FlashInfer sampler, as bench/serving_suite.sh runs it (no cubins offline).
+  os.environ["PYTHONPATH"] = os.pathsep.join(
+      p for p in (FLAGS.vllm_path, os.environ.get("PYTHONPATH")) if p)
   os.environ.setdefault("HF_HUB_OFFLINE", "1")
+  os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
   import vllm
   from vllm import LLM, SamplingParams
 
