@@ -89,8 +89,34 @@ def executor_kernels(eng) -> dict | None:
   return dataclasses.asdict(kernels) if dataclasses.is_dataclass(kernels) else None
 
 
+_IDLE_POWER: dict = {}  # engine id -> W with its loop idle (polling for work), measured once
+
+
+def idle_power_w(eng) -> float | None:
+  """The GPUs' power while `eng`'s loop has nothing to do (2 s), as bench.serving measures
+  it before its first rate; None without NVML's counter."""
+  if id(eng) not in _IDLE_POWER:
+    with C.EnergyCounter() as meter:
+      time.sleep(2.0)
+    _IDLE_POWER[id(eng)] = meter.joules / meter.seconds if meter.joules is not None else None
+  return _IDLE_POWER[id(eng)]
+
+
+def steady_energy(joules: float, seconds: float, steps: int, idle_w: float | None) -> dict:
+  """J per loop step over the steady window: total, and above the idle loop's power."""
+  if steps <= 0:
+    return {}
+  out = {"energy_steps": steps, "energy_per_step_j": joules / steps,
+         "avg_power_w": joules / seconds}
+  if idle_w is not None:
+    out.update(idle_power_w=idle_w,
+               energy_above_idle_per_step_j=(joules - idle_w * seconds) / steps)
+  return out
+
+
 def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
   rng = np.random.default_rng(batch)
+  idle_power_w(eng)  # before the first case's requests: the loop idles
   slots = []
   clock_cpu = cpus[0] if len(cpus) > 1 else None
   others = set(cpus[1:]) or set(cpus)
@@ -110,6 +136,9 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
     # steps also carry another request's prompt chunk (requests that arrive between two
     # scans queue in slot order, so the watched one may decode before the last prefill).
     got, steady_from, last_to_start = dict.fromkeys(slots, 0), None, None
+    # The GPU's energy over the steady window (all b requests decoding, to the end): J per
+    # step of the whole loop (schedule, step, sampler, commit), beside bench.step's bare step.
+    meter, h_steady = C.EnergyCounter(), None
     while True:
       outs = {s: eng.client.poll(s) for s in slots}
       for s, o in outs.items():
@@ -117,12 +146,16 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
       if steady_from is None and all(n > 0 for n in got.values()):
         steady_from = got[watched]
         last_to_start = slots.index(min(slots, key=lambda s: got[s]))
+        meter.__enter__()
+        h_steady = M.read_header(eng.region)
       if all(o.finished for o in outs.values()):
         break
       time.sleep(0.001)
       if time.perf_counter() - t0 > 300:
         raise TimeoutError("requests did not finish")
     h1 = M.read_header(eng.region)
+    if h_steady is not None:
+      meter.__exit__(None, None, None)
     clock.finish()
   finally:
     for p in procs:
@@ -137,7 +170,11 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
                                                  "schedule_ns", "commit_ns")}
   per_tok = max(delta["tokens_generated"], 1) / batch
   iters = max(delta["loop_iterations"], 1)
-  return {"batch": batch, "interference": interference,
+  energy = {}
+  if h_steady is not None and meter.joules is not None:
+    steps = int(h1["steps"]) - int(h_steady["steps"])
+    energy = steady_energy(meter.joules, meter.seconds, steps, idle_power_w(eng))
+  return {"batch": batch, "interference": interference, **energy,
           "sched_kernel_us_per_iteration": (delta["schedule_ns"] + delta["commit_ns"]) / iters / 1e3,
           "iterations_per_token": delta["loop_iterations"] / per_tok,
           "steps_per_token": delta["steps"] / per_tok,
@@ -206,7 +243,8 @@ def main(argv):
         r[k.replace("tpot_ms", "ratio")] = r[k] / quiet[k]
   print(C.table(rows, ["mode", "batch", "interference", "tpot_ms_p50", "tpot_ms_p90",
                        "tpot_ms_p99", "device_tpot_ms_p50", "device_tpot_ms_p99", "ratio_p50",
-                       "ratio_p99", "iterations_per_token", "sched_kernel_us_per_iteration"]))
+                       "ratio_p99", "iterations_per_token", "sched_kernel_us_per_iteration",
+                       "energy_above_idle_per_step_j"]))
   C.write_result(FLAGS.out, "executor_latency", rows,
                  {"config": FLAGS.config, "dtype": FLAGS.dtype, "prompt": FLAGS.prompt,
                   "tokens": FLAGS.tokens, "modes": reports, "cpus": len(cpus),
