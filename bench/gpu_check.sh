@@ -109,7 +109,9 @@ export GPU_TEST_FILES=$(echo $GPU_TEST_FILES)
 # 200 us with nothing new: schedule_scan_us against doorbell_us 0), quiet and under thrashers;
 # restart = serve.py started twice on one compilation cache (bench/restart.sh: start times,
 # loop reports, the same greedy answer);
-# gemv = each projection of a 1B step, XLA's matmul against the CUDA GEMV at every split count;
+# gemv = each projection of a 1B step (and its LM head), XLA's matmul against the CUDA GEMV at
+# every split count, in us, TB/s and J per product (ARGS="--splits auto --tokens 1,8
+# --variants xla,partials,torch" adds torch's cuBLASLt, vLLM's kernels, at 1 and 8 tokens);
 # vllm_step = vLLM's decode step at VLLM_STEP_BATCHES (default 1,8): ms and J per step (total
 # and above idle) and its kernels by name at the first, beside `step` / `step_profile` for
 # ours (issue 25's energy); after bench/vllm_install.sh, in the call that carries the last part;
@@ -308,8 +310,10 @@ for part in $parts; do
   else run_recipe "$part" || [[ $part != build ]] || die "build failed"; fi
 done
 # The JSON results as one archive, results.tgz, and the logs as logs.tgz (the device tool
-# brings back a few files only); PACK=0 leaves them as files.
+# brings back a few files only); PACK=0 leaves them as files. An earlier invocation's archives
+# in the same $OUT (one call running this script twice) are unpacked first, so they add up.
 if [[ ${PACK:-1} != 0 ]]; then
+  for a in results.tgz logs.tgz; do [[ -f $OUT/$a ]] && tar xzf "$OUT/$a" -C "$OUT"; done
   (cd "$OUT" && compgen -G "*.json" >/dev/null && tar czf results.tgz --remove-files *.json)
   (cd "$OUT" && compgen -G "*.out.txt" >/dev/null &&
     tar czf logs.tgz --remove-files *.out.txt $(ls build_ab_*.txt tests.txt serve_*.log \
