@@ -68,6 +68,18 @@ def per_step(short: dict, long: dict, tokens: int, idle_w: float | None) -> dict
   return out
 
 
+def prefill(short: dict, batch: int, idle_w: float | None) -> dict:
+  """The 1-token generate of `batch` prompts ({"seconds", "joules"}) per prompt: its prefill
+  (and first token, the engine's overheads), ms and J, beside bench.step's mixed steps."""
+  out = {"prefill_ms_per_prompt": 1e3 * short["seconds"] / batch}
+  if short.get("joules") is not None:
+    out["prefill_energy_per_prompt_j"] = short["joules"] / batch
+    if idle_w is not None:
+      out["prefill_energy_above_idle_per_prompt_j"] = (
+          short["joules"] - idle_w * short["seconds"]) / batch
+  return out
+
+
 def trace_kernels(trace: dict) -> list[tuple[str, float]]:
   """(name, duration us) of every GPU kernel, memcpy and memset of a torch profiler trace."""
   return [(e["name"], float(e["dur"])) for e in trace.get("traceEvents", [])
@@ -177,7 +189,8 @@ def main(argv):
       # Fresh prompts each time (no prefix caching anyway), the same ones for both lengths.
       p = prompts(batch)
       short, long = generate(p, 1), generate(p, 1 + FLAGS.tokens)
-      pairs.append(per_step(short, long, FLAGS.tokens, idle_w))
+      pairs.append({**per_step(short, long, FLAGS.tokens, idle_w),
+                    **prefill(short, batch, idle_w)})
     row = {"batch": batch, "context": FLAGS.context, "tokens": FLAGS.tokens}
     for key in pairs[0]:  # median, min, max and every repeat, named as bench.step's
       values = [p[key] for p in pairs if p.get(key) is not None]

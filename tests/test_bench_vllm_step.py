@@ -87,3 +87,12 @@ def test_a_result_written_without_jax_does_not_start_jax(tmp_path):
                        check=True, cwd=V.C.ROOT).stdout.split("\n")[-2]
   assert out.startswith("False "), out
   assert out.split(" ", 1)[1].startswith(("gpu:", "cpu:")), out
+
+
+def test_prefill_per_prompt_from_the_one_token_generate():
+  # 4 prompts prefilled in 20 ms for 10 J, idle 100 W: 5 ms and 2.5 J a prompt, 2 J above idle.
+  row = V.prefill({"seconds": 0.02, "joules": 10.0}, 4, 100.0)
+  assert row["prefill_ms_per_prompt"] == pytest.approx(5.0)
+  assert row["prefill_energy_per_prompt_j"] == pytest.approx(2.5)
+  assert row["prefill_energy_above_idle_per_prompt_j"] == pytest.approx(2.0)
+  assert set(V.prefill({"seconds": 0.02, "joules": None}, 4, 100.0)) == {"prefill_ms_per_prompt"}
