@@ -255,17 +255,33 @@ class _NvmlMeter:
 
 
 class PowerSampler(_NvmlMeter):
-  """Sums the power of this host's GPUs every `interval_s` (NVML) in a thread; integrates it."""
+  """Sums the power of this host's GPUs every `interval_s` (NVML) in a thread; integrates it.
+  Also samples the hottest GPU's temperature and the GPUs' mean SM clock: a GPU's power at
+  the same work grows with its temperature (leakage), so two servers' joules compare only
+  with the temperatures they ran at (docs/PERFORMANCE.md, "vLLM's step beside ours")."""
 
   def __init__(self, interval_s: float = 0.05):
     self.interval_s = interval_s
     self.samples: list[tuple[float, float]] = []  # (monotonic s, watts over all GPUs)
+    self.thermal: list[tuple[float, float]] = []  # (hottest GPU's °C, mean SM clock MHz)
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     super().__init__()
 
   def _read(self) -> float:
     return sum(self.nvml.nvmlDeviceGetPowerUsage(h) for h in self.handles) / 1e3
+
+  def _read_thermal(self) -> tuple[float, float] | None:
+    """(hottest GPU's temperature °C, mean SM clock MHz), None where NVML lacks them."""
+    nv = self.nvml
+    try:
+      temps = [nv.nvmlDeviceGetTemperature(h, getattr(nv, "NVML_TEMPERATURE_GPU", 0))
+               for h in self.handles]
+      clocks = [nv.nvmlDeviceGetClockInfo(h, getattr(nv, "NVML_CLOCK_SM", 1))
+                for h in self.handles]
+    except Exception:  # an old driver, a stand-in NVML without them
+      return None
+    return float(max(temps)), float(np.mean(clocks))
 
   def _run(self):
     while not self._stop.is_set():
@@ -274,10 +290,12 @@ class PowerSampler(_NvmlMeter):
       except Exception as e:
         self.reason = f"NVML read failed: {e}"
         return
+      if (thermal := self._read_thermal()) is not None:
+        self.thermal.append(thermal)
       self._stop.wait(self.interval_s)
 
   def __enter__(self):
-    self.samples = []
+    self.samples, self.thermal = [], []
     if self.handles:
       self._stop.clear()
       self._thread = threading.Thread(target=self._run, daemon=True, name="nvml-power")
@@ -300,11 +318,16 @@ class PowerSampler(_NvmlMeter):
               "energy_note": self.reason or "too few power samples"}
     t, w = np.array(self.samples).T
     joules = float(np.sum((w[1:] + w[:-1]) / 2 * np.diff(t)))
-    return {"energy_j": joules, "avg_power_w": joules / float(t[-1] - t[0]),
-            "energy_per_token_j": joules / output_tokens if output_tokens else None,
-            "energy_note": f"NVML power of {len(self.handles)} GPU(s), "
-                           f"{len(self.samples)} samples every {1e3 * self.interval_s:.0f} ms",
-            "gpus": len(self.handles)}
+    out = {"energy_j": joules, "avg_power_w": joules / float(t[-1] - t[0]),
+           "energy_per_token_j": joules / output_tokens if output_tokens else None,
+           "energy_note": f"NVML power of {len(self.handles)} GPU(s), "
+                          f"{len(self.samples)} samples every {1e3 * self.interval_s:.0f} ms",
+           "gpus": len(self.handles)}
+    if self.thermal:
+      temps, clocks = np.array(self.thermal).T
+      out.update(gpu_temp_c_mean=float(temps.mean()), gpu_temp_c_max=float(temps.max()),
+                 sm_clock_mhz_mean=float(clocks.mean()))
+    return out
 
 
 class EnergyCounter(_NvmlMeter):

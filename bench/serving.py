@@ -970,7 +970,7 @@ def main(argv):
   procs = C.start_interference(FLAGS.interference, set(interference_cpus), 24 * 3600) \
       if FLAGS.interference else []
   rows, per_request = [], {}
-  idle, warm = {}, {}
+  idle, idle_end, warm = {}, {}, {}
   sampling = {"temperature": FLAGS.temperature,
               **({"top_p": FLAGS.top_p} if FLAGS.top_p is not None else {}),
               **({"top_k": FLAGS.top_k} if FLAGS.top_k is not None else {})}
@@ -1000,6 +1000,12 @@ def main(argv):
           {"input_len": r.input_len, "max_tokens": r.max_tokens, "ok": r.ok, "error": r.error,
            "start_s": r.start, "ttft_s": r.ttft, "e2e_s": r.e2e,
            "output_tokens": r.output_tokens, "chunks": len(r.chunk_times)} for r in recs]
+    if FLAGS.idle_power_s > 0 and sampler.handles:
+      # Idle again after the last rate: the GPU is warmer, and its idle power with it
+      # (docs/PERFORMANCE.md, "vLLM's step beside ours").
+      with sampler:
+        time.sleep(FLAGS.idle_power_s)
+      idle_end = sampler.result(0)
   finally:
     for p in procs:
       p.terminate()
@@ -1019,6 +1025,9 @@ def main(argv):
            "interference_cpus": (interference_cpus if frontend_cpus else "all")
            if FLAGS.interference else None,
            "energy_note": sampler.reason, "idle_power_w": idle.get("avg_power_w"),
+           "idle_gpu_temp_c": idle.get("gpu_temp_c_mean"),
+           "idle_power_w_end": idle_end.get("avg_power_w"),
+           "idle_gpu_temp_c_end": idle_end.get("gpu_temp_c_mean"),
            "warm_cache": warm or None, "requests": per_request}
   if FLAGS.server_info:
     extra["server_info"] = json.loads(pathlib.Path(FLAGS.server_info).read_text())

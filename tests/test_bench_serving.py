@@ -445,6 +445,15 @@ def test_power_sampler_integrates_nvml_power(monkeypatch):
   assert r["avg_power_w"] == pytest.approx(200.0)
   assert r["energy_j"] == pytest.approx(200.0 * span)
   assert r["energy_per_token_j"] == pytest.approx(200.0 * span / 60)
+  assert "gpu_temp_c_mean" not in r  # this NVML has no temperatures: no figure, no failure
+  # With them: the hottest GPU's temperature and the mean SM clock of every sample.
+  fake.nvmlDeviceGetTemperature = lambda h, sensor: 50 + 10 * h
+  fake.nvmlDeviceGetClockInfo = lambda h, clock: 1500 + 200 * h
+  s = BS.PowerSampler(0.01)
+  with s:
+    time.sleep(0.1)
+  r = s.result(60)
+  assert (r["gpu_temp_c_mean"], r["gpu_temp_c_max"], r["sm_clock_mhz_mean"]) == (60, 60, 1600)
 
 
 def test_goodput_recomputed_from_saved_requests():
