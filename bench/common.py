@@ -353,3 +353,30 @@ class EnergyCounter(_NvmlMeter):
     if not self.reason:
       self.joules, self.seconds = self._read() - self._j, time.monotonic() - self._t
 
+
+
+_IDLE_POWER: dict = {}  # key -> the GPUs' idle power, W (None without the counter)
+
+
+def idle_power(key=None, seconds: float = 2.0) -> float | None:
+  """The GPUs' power over `seconds` with nothing of this process running on them (or, for an
+  engine, its loop idle: a key naming the engine), from NVML's energy counter; measured once
+  per key. None without the counter."""
+  if key not in _IDLE_POWER:
+    with EnergyCounter() as meter:
+      time.sleep(seconds)
+    _IDLE_POWER[key] = meter.joules / meter.seconds if meter.joules is not None else None
+  return _IDLE_POWER[key]
+
+
+def energy_per(unit: str, joules: float, seconds: float, n: int,
+               idle_w: float | None) -> dict:
+  """`joules` over `seconds` spent on `n` units (steps, products): J per unit, the average
+  power and, given the idle power, J per unit above it ({} for no units)."""
+  if n <= 0:
+    return {}
+  out = {f"energy_per_{unit}_j": joules / n, "avg_power_w": joules / seconds}
+  if idle_w is not None:
+    out["idle_power_w"] = idle_w
+    out[f"energy_above_idle_per_{unit}_j"] = (joules - idle_w * seconds) / n
+  return out

@@ -89,34 +89,9 @@ def executor_kernels(eng) -> dict | None:
   return dataclasses.asdict(kernels) if dataclasses.is_dataclass(kernels) else None
 
 
-_IDLE_POWER: dict = {}  # engine id -> W with its loop idle (polling for work), measured once
-
-
-def idle_power_w(eng) -> float | None:
-  """The GPUs' power while `eng`'s loop has nothing to do (2 s), as bench.serving measures
-  it before its first rate; None without NVML's counter."""
-  if id(eng) not in _IDLE_POWER:
-    with C.EnergyCounter() as meter:
-      time.sleep(2.0)
-    _IDLE_POWER[id(eng)] = meter.joules / meter.seconds if meter.joules is not None else None
-  return _IDLE_POWER[id(eng)]
-
-
-def steady_energy(joules: float, seconds: float, steps: int, idle_w: float | None) -> dict:
-  """J per loop step over the steady window: total, and above the idle loop's power."""
-  if steps <= 0:
-    return {}
-  out = {"energy_steps": steps, "energy_per_step_j": joules / steps,
-         "avg_power_w": joules / seconds}
-  if idle_w is not None:
-    out.update(idle_power_w=idle_w,
-               energy_above_idle_per_step_j=(joules - idle_w * seconds) / steps)
-  return out
-
-
 def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
   rng = np.random.default_rng(batch)
-  idle_power_w(eng)  # before the first case's requests: the loop idles
+  C.idle_power(key=eng.shm.name)  # before the first case's requests: its loop idles
   slots = []
   clock_cpu = cpus[0] if len(cpus) > 1 else None
   others = set(cpus[1:]) or set(cpus)
@@ -173,7 +148,9 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
   energy = {}
   if h_steady is not None and meter.joules is not None:
     steps = int(h1["steps"]) - int(h_steady["steps"])
-    energy = steady_energy(meter.joules, meter.seconds, steps, idle_power_w(eng))
+    idle_w = C.idle_power(key=eng.shm.name)
+    energy = {"energy_steps": steps,
+              **C.energy_per("step", meter.joules, meter.seconds, steps, idle_w)}
   return {"batch": batch, "interference": interference, **energy,
           "sched_kernel_us_per_iteration": (delta["schedule_ns"] + delta["commit_ns"]) / iters / 1e3,
           "iterations_per_token": delta["loop_iterations"] / per_tok,

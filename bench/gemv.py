@@ -106,9 +106,6 @@ def product_loop(variant: str, splits: int | None, steps: int):
   return jax.jit(run)
 
 
-_IDLE_POWER: list = []  # the GPUs' power with nothing running, W, measured once
-
-
 def energy(call, seconds: float, products_per_call: int) -> dict:
   """J per product of `call` (runs products_per_call products and returns something to wait
   on) run again and again for `seconds` under NVML's energy counter; above the idle power
@@ -116,21 +113,15 @@ def energy(call, seconds: float, products_per_call: int) -> dict:
   counter = C.EnergyCounter()
   if seconds <= 0 or counter.reason:
     return {}
-  if not _IDLE_POWER:
-    with counter:
-      time.sleep(2.0)
-    _IDLE_POWER.append(counter.joules / counter.seconds)
+  idle_w = C.idle_power()
   t = time.perf_counter()
   call()
   calls = max(1, round(seconds / max(time.perf_counter() - t, 1e-6)))
   with counter:
     for _ in range(calls):
       call()
-  n = calls * products_per_call
-  return {"energy_per_product_j": counter.joules / n,
-          "avg_power_w": counter.joules / counter.seconds, "idle_power_w": _IDLE_POWER[0],
-          "energy_above_idle_per_product_j":
-              (counter.joules - _IDLE_POWER[0] * counter.seconds) / n}
+  return C.energy_per("product", counter.joules, counter.seconds, calls * products_per_call,
+                      idle_w)
 
 
 def _row(projection, k, n, tokens, copies, variant, splits, times, extra) -> dict:

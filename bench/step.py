@@ -200,9 +200,6 @@ def measure_step(model, cfg, kind: str, n_seqs: int, length: int, steps: int, re
   return row
 
 
-_IDLE_POWER: list = []  # the GPUs' power with nothing running, W, measured once
-
-
 def step_energy(call, steps: int, step_s: float) -> dict:
   """Energy per step of a point's timed loop `call` (`steps` steps of about step_s each),
   run again and again for --energy_s, from NVML's energy counter (bench.common.EnergyCounter);
@@ -213,20 +210,14 @@ def step_energy(call, steps: int, step_s: float) -> dict:
   counter = C.EnergyCounter()
   if counter.reason:
     return {"energy_note": counter.reason}
-  if not _IDLE_POWER:
-    with counter:
-      time.sleep(2.0)
-    _IDLE_POWER.append(counter.joules / counter.seconds)
+  idle_w = C.idle_power()
   calls = max(1, round(FLAGS.energy_s / (steps * step_s)))
   jax.block_until_ready(call())
   with counter:
     for _ in range(calls):
       out = call()
     jax.block_until_ready(out)
-  n = calls * steps
-  return {"energy_per_step_j": counter.joules / n, "avg_power_w": counter.joules / counter.seconds,
-          "idle_power_w": _IDLE_POWER[0],
-          "energy_above_idle_per_step_j": (counter.joules - _IDLE_POWER[0] * counter.seconds) / n}
+  return C.energy_per("step", counter.joules, counter.seconds, calls * steps, idle_w)
 
 
 def configure_xla(command_buffers: bool) -> None:

@@ -77,13 +77,3 @@ def test_tensor_parallel_run_splits_the_model(tmp_path):
   [row] = res["results"]
   assert row["batch"] == 1 and 0 < row["tpot_ms_p50"] <= row["tpot_ms_p99"]
 
-
-def test_steady_energy_per_step_above_the_idle_loop():
-  from bench import executor
-  # 300 J over 2 s and 1,000 steps with the idle loop at 100 W: 100 J above idle.
-  row = executor.steady_energy(300.0, 2.0, 1000, 100.0)
-  assert row["energy_steps"] == 1000 and row["avg_power_w"] == 150.0
-  assert abs(row["energy_per_step_j"] - 0.3) < 1e-12
-  assert abs(row["energy_above_idle_per_step_j"] - 0.1) < 1e-12
-  assert "energy_above_idle_per_step_j" not in executor.steady_energy(3.0, 2.0, 10, None)
-  assert executor.steady_energy(3.0, 2.0, 0, 100.0) == {}

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from bench import step as bench_step
 
@@ -62,3 +63,26 @@ def test_energy_counter_measures_a_block_or_says_why_not():
     assert "NVML" in counter.reason or "pynvml" in counter.reason
   else:
     assert counter.joules >= 0 and counter.seconds > 0
+
+
+def test_energy_per_unit_above_the_idle_power():
+  from bench import common as C
+  # 300 J over 2 s and 1,000 steps with the GPUs idling at 100 W: 100 J above idle.
+  row = C.energy_per("step", 300.0, 2.0, 1000, 100.0)
+  assert row["avg_power_w"] == 150.0 and row["idle_power_w"] == 100.0
+  assert row["energy_per_step_j"] == pytest.approx(0.3)
+  assert row["energy_above_idle_per_step_j"] == pytest.approx(0.1)
+  assert set(C.energy_per("product", 3.0, 2.0, 10, None)) == {"energy_per_product_j",
+                                                                "avg_power_w"}
+  assert C.energy_per("step", 3.0, 2.0, 0, 100.0) == {}
+
+
+def test_idle_power_is_measured_once_per_key(monkeypatch):
+  from bench import common as C
+  calls = []
+  monkeypatch.setattr(C, "_IDLE_POWER", {})
+  monkeypatch.setattr(C.time, "sleep", lambda s: calls.append(s))
+  first = C.idle_power(key="engine-a", seconds=0.01)
+  assert C.idle_power(key="engine-a", seconds=0.01) == first and len(calls) == 1
+  C.idle_power(key="engine-b", seconds=0.01)
+  assert len(calls) == 2
