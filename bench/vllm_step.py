@@ -58,26 +58,22 @@ def define_flags():
 def per_step(short: dict, long: dict, tokens: int, idle_w: float | None) -> dict:
   """One decode step from two generates of the same prompts ({"seconds", "joules"}: 1 and
   1 + tokens output tokens each): ms, J, J above idle, watts over the extra steps."""
-  seconds = (long["seconds"] - short["seconds"]) / tokens
-  out = {"ms_per_step": 1e3 * seconds}
-  if short.get("joules") is not None and long.get("joules") is not None:
-    joules = (long["joules"] - short["joules"]) / tokens
-    out.update(energy_per_step_j=joules, avg_power_w=joules / seconds if seconds > 0 else None)
-    if idle_w is not None:
-      out["energy_above_idle_per_step_j"] = joules - idle_w * seconds
+  seconds = long["seconds"] - short["seconds"]
+  out = {"ms_per_step": 1e3 * seconds / tokens}
+  if short.get("joules") is not None and long.get("joules") is not None and seconds > 0:
+    out.update(C.energy_per("step", long["joules"] - short["joules"], seconds, tokens, idle_w))
+    out.pop("idle_power_w", None)  # the run's, in the result's header
   return out
 
 
 def prefill(short: dict, batch: int, idle_w: float | None) -> dict:
   """The 1-token generate of `batch` prompts ({"seconds", "joules"}) per prompt: its prefill
   (and first token, the engine's overheads), ms and J, beside bench.step's mixed steps."""
-  out = {"prefill_ms_per_prompt": 1e3 * short["seconds"] / batch}
+  out = {"ms_per_prompt": 1e3 * short["seconds"] / batch}
   if short.get("joules") is not None:
-    out["prefill_energy_per_prompt_j"] = short["joules"] / batch
-    if idle_w is not None:
-      out["prefill_energy_above_idle_per_prompt_j"] = (
-          short["joules"] - idle_w * short["seconds"]) / batch
-  return out
+    out.update(C.energy_per("prompt", short["joules"], short["seconds"], batch, idle_w))
+    out.pop("idle_power_w", None)
+  return {f"prefill_{k}": v for k, v in out.items()}
 
 
 def trace_kernels(trace: dict) -> list[tuple[str, float]]:
@@ -158,11 +154,10 @@ def main(argv):
   vocab = llm.llm_engine.model_config.get_vocab_size()
 
   time.sleep(1.0)
-  with C.EnergyCounter() as idle:
-    time.sleep(FLAGS.idle_s)
-  idle_w = idle.joules / idle.seconds if idle.joules is not None else None
+  idle_w = C.idle_power(seconds=FLAGS.idle_s)
   print(f"vllm {vllm.__version__}, {C.describe_device()}, idle "
-        + (f"{idle_w:.1f} W" if idle_w is not None else f"power unknown ({idle.reason})"))
+        + (f"{idle_w:.1f} W" if idle_w is not None else
+           f"power unknown ({C.EnergyCounter().reason})"))
 
   rng = np.random.default_rng(FLAGS.seed)
 
