@@ -46,6 +46,12 @@ def define_flags():
   flags.DEFINE_string("out", "bench/results/executor_latency.json", "JSON result file")
   C.define_kernel_flags()  # --attention --prefill --norm --gemv --decode_rows
   C.define_engine_flag("tensor_parallel")
+  flags.DEFINE_integer("as_served_context", 0, "when > 0: the engine at serve.py's defaults "
+                       "(EngineConfig's max_seqs, num_slots, buckets, prefix caching, the KV "
+                       "cache sized from device memory) with this --max_context (2048: as "
+                       "bench/serving_suite.sh serves) instead of one sized for the batches, "
+                       "so a step's cost in the served configuration is measured apart from "
+                       "the load's")
   flags.DEFINE_string("profile", None, "write a jax.profiler trace of each mode's engine, from "
                       "before its start to after its shutdown (the trace's stop waits for the "
                       "device), under this directory (<mode>_b<first batch>; "
@@ -67,6 +73,19 @@ def build_engine(mode: str, max_seqs: int):
   dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[FLAGS.dtype]
   model = Gemma(cfg, dtype=dtype, rngs=nnx.Rngs(0))
   ctx = FLAGS.prompt + FLAGS.tokens + 64
+  if FLAGS.as_served_context > 0:
+    if FLAGS.as_served_context < ctx:
+      raise app.UsageError(f"--as_served_context {FLAGS.as_served_context} < prompt + tokens + "
+                           f"64 = {ctx}")
+    # The engine makes and owns its shared-memory mailbox (shm_name "": a fresh name).
+    eng = Engine(model, None, mode=mode, shm_name="", max_context=FLAGS.as_served_context,
+                 kernels=C.kernel_options(), warm_up=FLAGS.warm_up == "workload",
+                 tensor_parallel=FLAGS.tensor_parallel)
+    if eng.config.max_seqs < max_seqs:
+      raise app.UsageError(f"the served default max_seqs {eng.config.max_seqs} < batch "
+                           f"{max_seqs}")
+    eng.shm = None
+    return eng, cfg
   buckets = tuple(sorted({min(int(b), 256) for b in FLAGS.buckets} | {max(max_seqs, 8)}))
   buckets = tuple(b for b in buckets if b >= 1)
   from multiprocessing import shared_memory
@@ -83,6 +102,12 @@ def build_engine(mode: str, max_seqs: int):
   return eng, cfg
 
 
+def mailbox_name(eng) -> str:
+  """The shared-memory name of the engine's mailbox (the token clock maps it): ours, or the
+  engine's own (--as_served_context)."""
+  return eng.shm.name if eng.shm is not None else eng.shm_name
+
+
 def executor_kernels(eng) -> dict | None:
   """The KernelOptions the engine's executor runs, as a dict."""
   kernels = getattr(eng.executor, "kernels", None)
@@ -91,7 +116,7 @@ def executor_kernels(eng) -> dict | None:
 
 def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
   rng = np.random.default_rng(batch)
-  C.idle_power(key=eng.shm.name)  # before the first case's requests: its loop idles
+  C.idle_power(key=mailbox_name(eng))  # before the first case's requests: its loop idles
   slots = []
   clock_cpu = cpus[0] if len(cpus) > 1 else None
   others = set(cpus[1:]) or set(cpus)
@@ -99,7 +124,7 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
   try:
     time.sleep(1.0 if procs else 0.1)
     watched = eng.client._free[-batch]  # the slot the last request will take (admitted last)
-    clock = TokenClock(eng.shm.name, eng.geo, watched, clock_cpu)
+    clock = TokenClock(mailbox_name(eng), eng.geo, watched, clock_cpu)
     for _ in range(batch):
       prompt = [int(t) for t in rng.integers(3, cfg.vocab_size, FLAGS.prompt)]
       slots.append(eng.client.submit(M.Request(prompt=prompt, max_tokens=FLAGS.tokens,
@@ -148,7 +173,7 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
   energy = {}
   if h_steady is not None and meter.joules is not None:
     steps = int(h1["steps"]) - int(h_steady["steps"])
-    idle_w = C.idle_power(key=eng.shm.name)
+    idle_w = C.idle_power(key=mailbox_name(eng))
     energy = {"energy_steps": steps,
               **C.energy_per("step", meter.joules, meter.seconds, steps, idle_w)}
   return {"batch": batch, "interference": interference, **energy,
@@ -187,6 +212,9 @@ def main(argv):
                      # what the executor runs ("auto" resolved, after any fallback)
                      "kernels": executor_kernels(eng),
                      "devices": [str(d) for d in eng.executor.devices],
+                     "engine": {k: getattr(eng.config, k) for k in (
+                         "max_seqs", "num_slots", "max_context", "kv_pages", "buckets",
+                         "prefix_caching", "idle_poll_us")},
                      "startup_s": round(time.perf_counter() - t, 1)}
     print(mode, reports[mode], flush=True)
     try:
@@ -208,9 +236,10 @@ def main(argv):
       # stopped while the serving loop still ran, it never returned (on the H200, 885ea50).
       if tracing:
         jax.profiler.stop_trace()
-      eng.region = None
-      eng.shm.close()
-      eng.shm.unlink()
+      if eng.shm is not None:  # ours (the engine unlinks its own)
+        eng.region = None
+        eng.shm.close()
+        eng.shm.unlink()
   # Interference / quiet ratios per mode and batch.
   for r in rows:
     quiet = next(q for q in rows if q["mode"] == r["mode"] and q["batch"] == r["batch"]
@@ -224,6 +253,7 @@ def main(argv):
                        "energy_above_idle_per_step_j"]))
   C.write_result(FLAGS.out, "executor_latency", rows,
                  {"config": FLAGS.config, "dtype": FLAGS.dtype, "prompt": FLAGS.prompt,
+                  "as_served_context": FLAGS.as_served_context or None,
                   "tokens": FLAGS.tokens, "modes": reports, "cpus": len(cpus),
                   "warm_up": FLAGS.warm_up, "tensor_parallel": FLAGS.tensor_parallel,
                   "kernels": C.kernels_record(C.kernel_options(), jax.devices()[0].platform),

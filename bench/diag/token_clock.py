@@ -16,11 +16,13 @@ from blink_jax.client import protocol as P
 def _clock_main(shm_name: str, geo: P.Geometry, slot: int, cpu: int | None, ready, stop, conn):
   """The frontend process: timestamps every new output entry of one slot and drains every
   slot's ring. It runs apart from the engine so that it never competes for its GIL."""
-  from multiprocessing import shared_memory
-  shm = shared_memory.SharedMemory(name=shm_name)  # shares the engine's resource tracker
+  from blink_jax.client import shm
+  # Mapped as a frontend maps it: no resource tracker registers (and later warns about) a
+  # segment the engine or the benchmark unlinks.
+  region = shm.open_region(shm_name)
   if cpu is not None:
     os.sched_setaffinity(0, {cpu})
-  buf = np.ndarray((geo.total_bytes,), np.uint8, shm.buf)
+  buf = region.buf[:geo.total_bytes]
   base = P.HEADER_BYTES
   field = lambda off: np.ndarray((geo.num_slots,), "<u4", buf, base + off, (geo.slot_bytes,))
   counts = field(geo.request_bytes + P.OUTPUT_DTYPE.fields["count"][1])
@@ -42,7 +44,7 @@ def _clock_main(shm_name: str, geo: P.Geometry, slot: int, cpu: int | None, read
       consumed[:] = counts
   conn.send(stamps)
   del buf, counts, consumed, field, token_ns
-  shm.close()
+  region.close()
 
 
 class TokenClock:
