@@ -15,6 +15,7 @@ flags); the result records them ("kernels": asked and resolved) beside each mode
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -138,7 +139,7 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
     got, steady_from, last_to_start = dict.fromkeys(slots, 0), None, None
     # The GPU's energy over the steady window (all b requests decoding, to the end): J per
     # step of the whole loop (schedule, step, sampler, commit), beside bench.step's bare step.
-    meter, h_steady = C.EnergyCounter(), None
+    meter, metering, h_steady = C.EnergyCounter(), contextlib.ExitStack(), None
     while True:
       outs = {s: eng.client.poll(s) for s in slots}
       for s, o in outs.items():
@@ -146,7 +147,7 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
       if steady_from is None and all(n > 0 for n in got.values()):
         steady_from = got[watched]
         last_to_start = slots.index(min(slots, key=lambda s: got[s]))
-        meter.__enter__()
+        metering.enter_context(meter)
         h_steady = M.read_header(eng.region)
       if all(o.finished for o in outs.values()):
         break
@@ -154,8 +155,7 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
       if time.perf_counter() - t0 > 300:
         raise TimeoutError("requests did not finish")
     h1 = M.read_header(eng.region)
-    if h_steady is not None:
-      meter.__exit__(None, None, None)
+    metering.close()
     clock.finish()
   finally:
     for p in procs:
