@@ -354,7 +354,6 @@ class EnergyCounter(_NvmlMeter):
       self.joules, self.seconds = self._read() - self._j, time.monotonic() - self._t
 
 
-
 _IDLE_POWER: dict = {}  # key -> the GPUs' idle power, W (None without the counter)
 
 

@@ -970,7 +970,17 @@ def main(argv):
   procs = C.start_interference(FLAGS.interference, set(interference_cpus), 24 * 3600) \
       if FLAGS.interference else []
   rows, per_request = [], {}
-  idle, idle_end, warm = {}, {}, {}
+  warm = {}
+
+  def idle_power() -> dict:
+    """The server's idle draw over --idle_power_s ({} without NVML or when off)."""
+    if FLAGS.idle_power_s <= 0 or not sampler.handles:
+      return {}
+    with sampler:
+      time.sleep(FLAGS.idle_power_s)
+    return sampler.result(0)
+
+  idle = idle_end = {}
   sampling = {"temperature": FLAGS.temperature,
               **({"top_p": FLAGS.top_p} if FLAGS.top_p is not None else {}),
               **({"top_k": FLAGS.top_k} if FLAGS.top_k is not None else {})}
@@ -979,10 +989,7 @@ def main(argv):
       time.sleep(1.0)  # let the thrashers fill their buffers
     if FLAGS.warm_cache_tokens > 0:
       warm = warm_cache(headers, model, max_context)
-    if FLAGS.idle_power_s > 0 and sampler.handles:  # no NVML: nothing to sample
-      with sampler:
-        time.sleep(FLAGS.idle_power_s)
-      idle = sampler.result(0)
+    idle = idle_power()
     for k, rate in enumerate(rates):
       with sampler, cpu, counters:
         recs, duration = run_rate_procs(
@@ -1000,12 +1007,9 @@ def main(argv):
           {"input_len": r.input_len, "max_tokens": r.max_tokens, "ok": r.ok, "error": r.error,
            "start_s": r.start, "ttft_s": r.ttft, "e2e_s": r.e2e,
            "output_tokens": r.output_tokens, "chunks": len(r.chunk_times)} for r in recs]
-    if FLAGS.idle_power_s > 0 and sampler.handles:
-      # Idle again after the last rate: the GPU is warmer, and its idle power with it
-      # (docs/PERFORMANCE.md, "vLLM's step beside ours").
-      with sampler:
-        time.sleep(FLAGS.idle_power_s)
-      idle_end = sampler.result(0)
+    # Idle again after the last rate: the GPU is warmer, and its idle power with it
+    # (docs/PERFORMANCE.md, "vLLM's step beside ours").
+    idle_end = idle_power()
   finally:
     for p in procs:
       p.terminate()
