@@ -263,7 +263,11 @@ class PowerSampler(_NvmlMeter):
   def __init__(self, interval_s: float = 0.05):
     self.interval_s = interval_s
     self.samples: list[tuple[float, float]] = []  # (monotonic s, watts over all GPUs)
-    self.thermal: list[tuple[float, float]] = []  # (hottest GPU's °C, mean SM clock MHz)
+    # (monotonic s, hottest GPU's °C, mean SM clock MHz)
+    self.thermal: list[tuple[float, float, float]] = []
+    # (monotonic s, J of the GPUs' total-energy counters): exact per window, where the
+    # sampled power is an average over NVML's own window (`split`)
+    self.energy: list[tuple[float, float]] = []
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     super().__init__()
@@ -283,19 +287,28 @@ class PowerSampler(_NvmlMeter):
       return None
     return float(max(temps)), float(np.mean(clocks))
 
+  def _read_energy(self) -> float | None:
+    try:
+      return sum(self.nvml.nvmlDeviceGetTotalEnergyConsumption(h) for h in self.handles) / 1e3
+    except Exception:  # before Volta, a stand-in NVML without it
+      return None
+
   def _run(self):
     while not self._stop.is_set():
       try:
-        self.samples.append((time.monotonic(), self._read()))
+        now = time.monotonic()
+        self.samples.append((now, self._read()))
       except Exception as e:
         self.reason = f"NVML read failed: {e}"
         return
       if (thermal := self._read_thermal()) is not None:
-        self.thermal.append(thermal)
+        self.thermal.append((now, *thermal))
+      if (joules := self._read_energy()) is not None:
+        self.energy.append((time.monotonic(), joules))  # the read's own instant
       self._stop.wait(self.interval_s)
 
   def __enter__(self):
-    self.samples, self.thermal = [], []
+    self.samples, self.thermal, self.energy = [], [], []
     if self.handles:
       self._stop.clear()
       self._thread = threading.Thread(target=self._run, daemon=True, name="nvml-power")
@@ -324,9 +337,35 @@ class PowerSampler(_NvmlMeter):
                           f"{len(self.samples)} samples every {1e3 * self.interval_s:.0f} ms",
            "gpus": len(self.handles)}
     if self.thermal:
-      temps, clocks = np.array(self.thermal).T
+      _, temps, clocks = np.array(self.thermal).T
       out.update(gpu_temp_c_mean=float(temps.mean()), gpu_temp_c_max=float(temps.max()),
                  sm_clock_mhz_mean=float(clocks.mean()))
+    return out
+
+  def split(self, busy: list[tuple[float, float]]) -> dict:
+    """The run's energy split between its gaps (counter windows that overlap no `busy`
+    interval: (start, end) on time.monotonic(), e.g. requests from sent to last byte) and
+    the rest: seconds, average power, SM clock and temperature of each. What an idle
+    server draws between requests after it has run warm, against its cold idle power
+    (docs/PERFORMANCE.md, "vLLM's step beside ours"). {} without the energy counter."""
+    if len(self.energy) < 2:
+      return {}
+    t, j = np.array(self.energy).T
+    lo, hi = t[:-1], t[1:]
+    gap = np.ones(len(lo), bool)
+    for s, e in busy:
+      gap &= (hi <= s) | (lo >= e)
+    out = {}
+    for name, sel in (("gap", gap), ("busy", ~gap)):
+      secs = float(np.sum((hi - lo)[sel]))
+      out[f"{name}_s"] = secs
+      out[f"{name}_power_w"] = float(np.sum(np.diff(j)[sel]) / secs) if secs > 0 else None
+      if self.thermal:
+        tt, temps, clocks = np.array(self.thermal).T
+        k = np.clip(np.searchsorted(lo, tt, side="right") - 1, 0, len(lo) - 1)
+        inside = sel[k] & (tt >= lo[0]) & (tt <= hi[-1])
+        out[f"{name}_sm_clock_mhz"] = float(clocks[inside].mean()) if inside.any() else None
+        out[f"{name}_gpu_temp_c"] = float(temps[inside].mean()) if inside.any() else None
     return out
 
 

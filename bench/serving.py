@@ -302,6 +302,7 @@ class Record:
   e2e: float | None = None
   output_tokens: int = 0
   chunk_times: list[float] = dataclasses.field(default_factory=list)  # since the request's start
+  sent_at: float = 0.0                                  # time.monotonic() when sent
 
   def itl(self) -> list[float]:
     return list(np.diff(self.chunk_times)) if len(self.chunk_times) > 1 else []
@@ -548,8 +549,15 @@ def energy_above_idle(m: dict, idle_w: float | None) -> dict:
     return {}
   joules = (m["avg_power_w"] - idle_w) * m["duration_s"]
   steps, tokens = m.get("device_steps"), m.get("output_tokens")
-  return {"energy_above_idle_per_token_j": joules / tokens if tokens else None,
-          "energy_above_idle_per_step_j": joules / steps if steps else None}
+  out = {"energy_above_idle_per_token_j": joules / tokens if tokens else None,
+         "energy_above_idle_per_step_j": joules / steps if steps else None}
+  # Split (PowerSampler.split): the gaps' energy above the cold idle power, and the steps'
+  # energy above it with the gaps left out.
+  if m.get("gap_power_w") is not None:
+    out["gap_energy_above_idle_j"] = (m["gap_power_w"] - idle_w) * m["gap_s"]
+  if m.get("busy_power_w") is not None and steps:
+    out["busy_energy_above_idle_per_step_j"] = (m["busy_power_w"] - idle_w) * m["busy_s"] / steps
+  return out
 
 
 class DeviceCounters:
@@ -601,7 +609,7 @@ async def send_one(session, url: str, headers: dict, model: str, req: Req, rec: 
           "ignore_eos": True, "temperature": 0.0, **(sampling or {}),
           "stream_options": {"include_usage": True}}
   start = time.perf_counter()
-  rec.start = start - t0
+  rec.start, rec.sent_at = start - t0, time.monotonic()
   usage_tokens = None
   try:
     async with session.post(url, json=body, headers=headers) as resp:
@@ -862,6 +870,11 @@ DEVICE_TABLE_COLS = ["label", "rate", "device_tpot_mean_ms", "device_first_outpu
                      *(f"device_schedule_{p}_us_per_iteration" for p in SCHEDULE_PHASES),
                      "device_slot_scans_per_iteration"]
 
+ENERGY_TABLE_COLS = ["label", "rate", "avg_power_w", "busy_s", "busy_power_w",
+                     "busy_sm_clock_mhz", "busy_gpu_temp_c", "gap_s", "gap_power_w",
+                     "gap_sm_clock_mhz", "gap_gpu_temp_c", "gap_energy_above_idle_j",
+                     "energy_above_idle_per_step_j", "busy_energy_above_idle_per_step_j"]
+
 
 def parse_rate(s: str) -> float:
   return float("inf") if s.strip().lower() in ("inf", "infinity") else float(s)
@@ -998,6 +1011,8 @@ def main(argv):
             sampling=sampling)
       m = compute_metrics(recs, duration, FLAGS.slo_ttft_ms, FLAGS.slo_tpot_ms)
       m.update(sampler.result(m["output_tokens"]))
+      m.update(sampler.split([(r.sent_at, r.sent_at + r.e2e) for r in recs
+                              if r.e2e is not None]))
       m.update(cpu.result(m["output_tokens"]))
       m.update(counters.result(m["output_tokens"]))
       m.update(energy_above_idle(m, idle.get("avg_power_w")))
@@ -1040,6 +1055,8 @@ def main(argv):
   print(C.table(rows, TABLE_COLS))
   if any(r.get("device_loop_iterations") for r in rows):
     print(C.table(rows, DEVICE_TABLE_COLS))
+  if any(r.get("gap_power_w") is not None for r in rows):
+    print(C.table(rows, ENERGY_TABLE_COLS))
   if FLAGS.plot:
     try:
       plot_results([(doc_label(extra), rows)], FLAGS.plot_out or path.with_suffix(".png"),

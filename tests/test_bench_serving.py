@@ -456,6 +456,48 @@ def test_power_sampler_integrates_nvml_power(monkeypatch):
   assert (r["gpu_temp_c_mean"], r["gpu_temp_c_max"], r["sm_clock_mhz_mean"]) == (60, 60, 1600)
 
 
+def test_power_sampler_splits_the_energy_between_requests_and_gaps(monkeypatch):
+  """A stand-in NVML whose energy counter runs at 300 W while a request is in flight and
+  100 W between them (clock 1,900 / 1,000 MHz): `split` finds both powers from the counter's
+  windows, and bench.serving's energy above idle separates the gaps' joules from the steps'."""
+  import types
+  busy = []  # (start, end) on time.monotonic()
+
+  def in_flight(now):
+    return any(s <= now < e for s, e in busy)
+
+  def energy(h):  # millijoules since 0: 100 W always, 200 W more while a request runs
+    now = time.monotonic()
+    return 1e3 * (100.0 * now + 200.0 * sum(max(0.0, min(now, e) - s) for s, e in busy))
+
+  fake = types.SimpleNamespace(
+      nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 1,
+      nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetPowerUsage=lambda h: 100_000,
+      nvmlDeviceGetTemperature=lambda h, sensor: 60 if in_flight(time.monotonic()) else 40,
+      nvmlDeviceGetClockInfo=lambda h, clock: 1900 if in_flight(time.monotonic()) else 1000,
+      nvmlDeviceGetTotalEnergyConsumption=energy)
+  monkeypatch.setitem(sys.modules, "pynvml", fake)
+  s = BS.PowerSampler(0.005)
+  with s:
+    time.sleep(0.2)
+    t = time.monotonic()
+    busy.append((t, t + 0.3))
+    time.sleep(0.5)
+  r = s.split(busy)
+  assert r["busy_s"] == pytest.approx(0.3, abs=0.03) and r["gap_s"] > 0.3
+  # a window that straddles a request's start or end counts as busy
+  assert r["gap_power_w"] == pytest.approx(100.0, rel=0.05)
+  assert 250 < r["busy_power_w"] <= 300.5
+  assert (r["gap_sm_clock_mhz"], r["gap_gpu_temp_c"]) == (1000, 40)
+  assert r["busy_sm_clock_mhz"] > 1500
+  m = {"avg_power_w": 150.0, "duration_s": 1.0, "output_tokens": 10, "device_steps": 5, **r}
+  e = BS.energy_above_idle(m, 90.0)
+  assert e["gap_energy_above_idle_j"] == pytest.approx((r["gap_power_w"] - 90.0) * r["gap_s"])
+  assert e["busy_energy_above_idle_per_step_j"] == pytest.approx(
+      (r["busy_power_w"] - 90.0) * r["busy_s"] / 5)
+  assert BS.PowerSampler(0.01).split(busy) == {}  # no samples: nothing to split
+
+
 def test_goodput_recomputed_from_saved_requests():
   recs = _records()
   saved = {"results": [{"rate": 4.0, "duration_s": 2.0}],
