@@ -2,6 +2,8 @@
 the same file; Gemma's chat format against Gemma 3's own chat template; streaming."""
 from __future__ import annotations
 
+import functools
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -235,10 +237,19 @@ def _deltas_by_definition(tok: Tokenizer, ids) -> list[str]:
   return out + [tok.decode(seen[prefix:])[len(tok.decode(seen[prefix:read])):]]
 
 
+@functools.lru_cache(maxsize=None)
+def _special_ids(tok: Tokenizer) -> tuple[int, ...]:
+  """The first 400 byte, control, unknown and unused pieces (a scan of the whole vocabulary:
+  once per tokenizer, not per example)."""
+  sp = tok.sp
+  return tuple(itertools.islice((i for i in range(tok.vocab_size) if sp.is_byte(i)
+                                 or sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i)),
+                                400))
+
+
 def _id_lists(tok: Tokenizer):
   """Token id lists mixing any ids with byte, control, unknown and unused pieces."""
-  special = [i for i in range(tok.vocab_size) if tok.sp.is_byte(i) or tok.sp.is_control(i)
-             or tok.sp.is_unknown(i) or tok.sp.is_unused(i)][:400]
+  special = _special_ids(tok)
   return st.lists(st.one_of(st.integers(0, tok.vocab_size - 1), st.sampled_from(special),
                             st.integers(0, min(tok.vocab_size, 3000) - 1)), max_size=40)
 
@@ -261,10 +272,15 @@ def test_incremental_detokenizer_keeps_its_definition(tokenizer, data):
   _check_deltas(tokenizer, data)
 
 
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tokenizer_path) -> Tokenizer:
+  return Tokenizer(str(tokenizer_path))
+
+
 @_PROPERTY
 @given(data=st.data())
-def test_incremental_detokenizer_keeps_its_definition_tiny(tokenizer_path, data):
-  _check_deltas(Tokenizer(str(tokenizer_path)), data)
+def test_incremental_detokenizer_keeps_its_definition_tiny(tiny_tokenizer, data):
+  _check_deltas(tiny_tokenizer, data)
 
 
 def test_every_surface_is_what_its_piece_adds_to_a_decode(tokenizer):
