@@ -340,6 +340,9 @@ class PowerSampler(_NvmlMeter):
       _, temps, clocks = np.array(self.thermal).T
       out.update(gpu_temp_c_mean=float(temps.mean()), gpu_temp_c_max=float(temps.max()),
                  sm_clock_mhz_mean=float(clocks.mean()))
+    if len(self.energy) >= 2:  # exact, where the sampled power averages over NVML's window
+      (t0, j0), (t1, j1) = self.energy[0], self.energy[-1]
+      out.update(counter_energy_j=j1 - j0, counter_avg_power_w=(j1 - j0) / (t1 - t0))
     return out
 
   def split(self, busy: list[tuple[float, float]]) -> dict:

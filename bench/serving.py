@@ -986,12 +986,17 @@ def main(argv):
   warm = {}
 
   def idle_power() -> dict:
-    """The server's idle draw over --idle_power_s ({} without NVML or when off)."""
+    """The server's idle draw over --idle_power_s ({} without NVML or when off): from the
+    energy counter where there is one, since the sampled power (a one-second average on
+    Hopper) still carries the end of a rate run just before it."""
     if FLAGS.idle_power_s <= 0 or not sampler.handles:
       return {}
     with sampler:
       time.sleep(FLAGS.idle_power_s)
-    return sampler.result(0)
+    r = sampler.result(0)
+    if r.get("counter_avg_power_w") is not None:
+      r["avg_power_w"] = r["counter_avg_power_w"]
+    return r
 
   idle = idle_end = {}
   sampling = {"temperature": FLAGS.temperature,

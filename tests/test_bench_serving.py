@@ -496,6 +496,11 @@ def test_power_sampler_splits_the_energy_between_requests_and_gaps(monkeypatch):
   assert e["busy_energy_above_idle_per_step_j"] == pytest.approx(
       (r["busy_power_w"] - 90.0) * r["busy_s"] / 5)
   assert BS.PowerSampler(0.01).split(busy) == {}  # no samples: nothing to split
+  # The whole run's average from the counter, beside the sampled power's.
+  whole = s.result(10)
+  assert whole["counter_avg_power_w"] == pytest.approx(
+      (r["busy_power_w"] * r["busy_s"] + r["gap_power_w"] * r["gap_s"])
+      / (r["busy_s"] + r["gap_s"]))
 
 
 def test_goodput_recomputed_from_saved_requests():
