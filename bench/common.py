@@ -350,7 +350,8 @@ class PowerSampler(_NvmlMeter):
     interval: (start, end) on time.monotonic(), e.g. requests from sent to last byte) and
     the rest: seconds, average power, SM clock and temperature of each. What an idle
     server draws between requests after it has run warm, against its cold idle power
-    (docs/PERFORMANCE.md, "vLLM's step beside ours"). {} without the energy counter."""
+    (docs/PERFORMANCE.md, "Where a served step's energy goes (revision faba37c)"). {}
+    without the energy counter."""
     if len(self.energy) < 2:
       return {}
     t, j = np.array(self.energy).T

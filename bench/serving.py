@@ -1027,8 +1027,8 @@ def main(argv):
           {"input_len": r.input_len, "max_tokens": r.max_tokens, "ok": r.ok, "error": r.error,
            "start_s": r.start, "ttft_s": r.ttft, "e2e_s": r.e2e,
            "output_tokens": r.output_tokens, "chunks": len(r.chunk_times)} for r in recs]
-    # Idle again after the last rate: the GPU is warmer, and its idle power with it
-    # (docs/PERFORMANCE.md, "vLLM's step beside ours").
+    # Idle again after the last rate, with the GPU warmer than before the first
+    # (docs/PERFORMANCE.md, "Where a served step's energy goes (revision faba37c)").
     idle_end = idle_power()
   finally:
     for p in procs:
