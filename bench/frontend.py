@@ -44,7 +44,8 @@ def define_flags():
                      "as fast as it goes, tokens then arrive many per chunk")
   flags.DEFINE_integer("repeats", 2, "runs per worker count (alternated)")
   flags.DEFINE_integer("client_procs", 1, "load-generator processes (bench.serving's "
-                       "--client_procs): one tops out near 9-10k tokens/s of one-token chunks")
+                       "--client_procs; docs/PERFORMANCE.md, \"A frontend worker's "
+                       "ceiling (revision edcad9c)\")")
   flags.DEFINE_string("tokenizer", "", "SentencePiece model the workers detokenize with (e.g. "
                       "Gemma's, checkpoints/gemma/tokenizer.model); default: the tests' tiny one, "
                       "whose pieces are cheaper to decode")
