@@ -164,7 +164,7 @@ class FakeDevice:
     self._stop = threading.Event()
     self._seen = np.zeros(geo.num_slots, np.int64)
     # every slot's request `seq` as one strided view: a doorbell costs one vector compare,
-    # not a Python pass over the slots (bench.frontend's 512 slots took 8 ms a ring)
+    # not a Python pass over every slot
     assert geo.slot_bytes % 4 == 0
     words = self.region.buf[:geo.arena_offset].view("<u4")
     self._seqs = words[(geo.request_offset(0) + P.REQUEST_DTYPE.fields["seq"][1]) // 4::
