@@ -226,6 +226,11 @@ def write_result(path: str, name: str, rows, extra: dict | None = None) -> pathl
   return out
 
 
+def _total_energy_j(nvml, handles) -> float:
+  """The GPUs' total-energy counters (nvmlDeviceGetTotalEnergyConsumption, mJ) summed, in J."""
+  return sum(nvml.nvmlDeviceGetTotalEnergyConsumption(h) for h in handles) / 1e3
+
+
 class _NvmlMeter:
   """NVML and this host's GPUs for a meter whose `_read` sums one figure over them: `nvml`
   and `handles` where it works (a first `_read` included), else no handles and `reason`."""
@@ -289,7 +294,7 @@ class PowerSampler(_NvmlMeter):
 
   def _read_energy(self) -> float | None:
     try:
-      return sum(self.nvml.nvmlDeviceGetTotalEnergyConsumption(h) for h in self.handles) / 1e3
+      return _total_energy_j(self.nvml, self.handles)
     except Exception:  # before Volta, a stand-in NVML without it
       return None
 
@@ -359,15 +364,17 @@ class PowerSampler(_NvmlMeter):
     gap = np.ones(len(lo), bool)
     for s, e in busy:
       gap &= (hi <= s) | (lo >= e)
+    if self.thermal:  # each thermal sample's counter window
+      tt, temps, clocks = np.array(self.thermal).T
+      k = np.clip(np.searchsorted(lo, tt, side="right") - 1, 0, len(lo) - 1)
+      within = (tt >= lo[0]) & (tt <= hi[-1])
     out = {}
     for name, sel in (("gap", gap), ("busy", ~gap)):
       secs = float(np.sum((hi - lo)[sel]))
       out[f"{name}_s"] = secs
       out[f"{name}_power_w"] = float(np.sum(np.diff(j)[sel]) / secs) if secs > 0 else None
       if self.thermal:
-        tt, temps, clocks = np.array(self.thermal).T
-        k = np.clip(np.searchsorted(lo, tt, side="right") - 1, 0, len(lo) - 1)
-        inside = sel[k] & (tt >= lo[0]) & (tt <= hi[-1])
+        inside = sel[k] & within
         out[f"{name}_sm_clock_mhz"] = float(clocks[inside].mean()) if inside.any() else None
         out[f"{name}_gpu_temp_c"] = float(temps[inside].mean()) if inside.any() else None
     return out
@@ -385,7 +392,7 @@ class EnergyCounter(_NvmlMeter):
     super().__init__()
 
   def _read(self) -> float:
-    return sum(self.nvml.nvmlDeviceGetTotalEnergyConsumption(h) for h in self.handles) / 1e3
+    return _total_energy_j(self.nvml, self.handles)
 
   def __enter__(self):
     if not self.reason:
