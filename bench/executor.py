@@ -136,7 +136,9 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
     # Per-token latency at batch b is measured once all b requests decode: until then some
     # steps also carry another request's prompt chunk (requests that arrive between two
     # scans queue in slot order, so the watched one may decode before the last prefill).
-    got, steady_from, last_to_start = dict.fromkeys(slots, 0), None, None
+    # That moment is the GPU's: the latest of the requests' first-token stamps (first_ns),
+    # whatever this polling loop's lag on a busy CPU.
+    got, first_ns, steady_seen = dict.fromkeys(slots, 0), dict.fromkeys(slots, 0), False
     # The GPU's energy over the steady window (all b requests decoding, to the end): J per
     # step of the whole loop (schedule, step, sampler, commit), beside bench.step's bare step.
     meter, metering, h_steady = C.EnergyCounter(), contextlib.ExitStack(), None
@@ -144,11 +146,9 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
       outs = {s: eng.client.poll(s) for s in slots}
       for s, o in outs.items():
         got[s] += len(o.tokens)
-      if steady_from is None and all(n > 0 for n in got.values()):
-        # A lone request decodes from its first token, however late this loop looks (on a
-        # busy CPU it once saw all 24 tokens at its first poll, leaving no interval).
-        steady_from = 1 if batch == 1 else got[watched]
-        last_to_start = slots.index(min(slots, key=lambda s: got[s]))
+        first_ns[s] = first_ns[s] or o.first_ns
+      if not steady_seen and all(n > 0 for n in got.values()):
+        steady_seen = True
         metering.enter_context(meter)
         h_steady = M.read_header(eng.region)
       if all(o.finished for o in outs.values()):
@@ -172,6 +172,9 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
                                                  "schedule_ns", "commit_ns")}
   per_tok = max(delta["tokens_generated"], 1) / batch
   iters = max(delta["loop_iterations"], 1)
+  steady_ns = max(first_ns.values())
+  # the request that produced its first token last (expected: the last one submitted)
+  last_to_start = slots.index(max(slots, key=lambda s: first_ns[s]))
   energy = {}
   if h_steady is not None and meter.joules is not None:
     steps = int(h1["steps"]) - int(h_steady["steps"])
@@ -182,12 +185,13 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
           "sched_kernel_us_per_iteration": (delta["schedule_ns"] + delta["commit_ns"]) / iters / 1e3,
           "iterations_per_token": delta["loop_iterations"] / per_tok,
           "steps_per_token": delta["steps"] / per_tok,
-          "steady_from_token": steady_from,
+          # the watched request's entry count where the steady window starts (1 at batch 1)
+          "steady_from_token": clock.first_count_at(steady_ns),
           # submission index of the request that produced its first token last (expected:
-          # the last one, batch - 1); a request that started late skews steady_from_token.
+          # the last one, batch - 1)
           "last_to_start": last_to_start,
-          **C.percentile_stats(clock.intervals_ms(steady_from), "tpot_ms"),
-          **C.percentile_stats(clock.intervals_ms(steady_from, device=True), "device_tpot_ms")}
+          **C.percentile_stats(clock.intervals_ms(steady_ns), "tpot_ms"),
+          **C.percentile_stats(clock.intervals_ms(steady_ns, device=True), "device_tpot_ms")}
 
 
 def main(argv):

@@ -10,6 +10,8 @@
 #        [PEER_DIR=.carry/peer VLLM_SITE=/tmp/vllm/site VLLM_ARGS="..."]
 #        [CROSSCHECK="vllm persistent" CROSSCHECK_RATE=16] [SINGLE=1] [INTERFERENCE=1]
 #        [BURST=1000 (after the sweeps, that many requests at once: <run>_n<BURST>_quiet)]
+#        [BURST_CLIENTS="0,1:1 2,3:2 ..." (instead, the burst once per entry, the load
+#         generator on those cores with that many processes: <run>_n<BURST>_c<cores>_p<n>_<i>)]
 #        [TAG=name (a variant: results serving_$DEV_<shape>_<mode>_<TAG>_<run>.json)]
 #        [MAX_CONTEXT=2048 (empty: blink-jax without --max_context, the load generator then
 #         clipping to the server's own, as a new user runs it: MAX_CONTEXT= TAG=defaults)]
@@ -116,8 +118,19 @@ for shape in $SHAPES; do
     [ "${INTERFERENCE:-1}" = 0 ] || bench "${run}_int${INT}" "$port" "$INT" "$FRONT" \
       --prompt_salt 1
     if [ -n "${BURST:-}" ]; then  # saturation: BURST requests at once, on the same server
-      RATES=inf bench "${run}_n${BURST}_quiet" "$port" 0 "$FRONT" --num_prompts "$BURST" \
-        --seed 200
+      if [ -z "${BURST_CLIENTS:-}" ]; then
+        RATES=inf bench "${run}_n${BURST}_quiet" "$port" 0 "$FRONT" --num_prompts "$BURST" \
+          --seed 200
+      fi
+      i=0
+      for cp in ${BURST_CLIENTS:-}; do  # "cores:procs" each: the same burst per load generator
+        i=$((i + 1)) cores=${cp%%:*} procs=${cp##*:}
+        cores_label=${cores//,/-}
+        # The same lengths with other tokens each time: no prefix-cache hits.
+        RATES=inf bench "${run}_n${BURST}_c${cores_label}_p${procs}_${i}_quiet" "$port" 0 \
+          "$FRONT" --num_prompts "$BURST" --seed 200 --prompt_salt "$((100 + i))" \
+          --client_cpus "$cores" --client_procs "$procs"
+      done
     fi
     if [ "${SINGLE:-0}" = 1 ]; then
       RATES=inf bench "${run}_single" "$port" 0 "$FRONT" --num_prompts 10 \

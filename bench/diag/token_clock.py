@@ -66,15 +66,23 @@ class TokenClock:
     self.stamps = self.recv.recv()
     self.proc.join()
 
-  def intervals_ms(self, from_count: int = 1, device: bool = False) -> np.ndarray:
-    """Per-token latency: time between consecutive tokens (one new entry each) from output
-    entry `from_count` on, as the frontend saw them or (device=True) by the GPU's clock when
-    each token was written."""
-    st = [(c, ns * 1e-9 if device else t) for c, t, ns in self.stamps if c > 0]
-    # The slot may still show the count of its previous request (e.g. one of the engine's
-    # warm-up requests) until the new one starts: keep what follows the last reset.
+  def _stamps(self) -> list[tuple[int, float, int]]:
+    """(count, frontend time, device ns) of this request's entries: the slot may still show
+    the count of its previous request (e.g. one of the engine's warm-up requests) until the
+    new one starts, so what follows the last reset."""
+    st = [x for x in self.stamps if x[0] > 0]
     resets = [i for i in range(1, len(st)) if st[i][0] < st[i - 1][0]]
-    st = st[resets[-1]:] if resets else st
-    st = [(c, t) for c, t in st if c >= max(from_count, 1)]
+    return st[resets[-1]:] if resets else st
+
+  def first_count_at(self, from_ns: int) -> int | None:
+    """The first entry count seen whose newest entry the GPU wrote at or after `from_ns` (its
+    clock), or None."""
+    return next((c for c, _, ns in self._stamps() if ns >= from_ns), None)
+
+  def intervals_ms(self, from_ns: int = 0, device: bool = False) -> np.ndarray:
+    """Per-token latency: time between consecutive tokens (one new entry each), from the
+    first entry the GPU wrote at or after `from_ns` (its clock) on, as the frontend saw them
+    or (device=True) by the GPU's clock when each token was written."""
+    st = [(c, ns * 1e-9 if device else t) for c, t, ns in self._stamps() if ns >= from_ns]
     out = [(t1 - t0) * 1e3 / (c1 - c0) for (c0, t0), (c1, t1) in zip(st, st[1:]) if c1 > c0]
     return np.asarray(out)
