@@ -241,21 +241,6 @@ def test_warm_up_workload_takes_every_bucket_then_serves(model, dense, mode):
         == want
 
 
-def test_the_most_buckets_the_scheduler_takes(model, dense):
-  """MAX_BUCKETS step sizes (each its own config attribute through the FFI): prompts of
-  lengths that take small, middle and the largest buckets give the dense model's tokens."""
-  from blink_jax.engine_config import MAX_BUCKETS
-  buckets = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32)
-  assert len(buckets) == MAX_BUCKETS
-  prompts = [[5, 6, 7], list(range(3, 14)), list(range(2, 32))]
-  want = [dense(p, 4) for p in prompts]
-  kw = dict(ENGINE_KW, buckets=buckets)
-  with Engine(model, None, **kw) as eng:
-    outs = eng.generate(prompt_token_ids=prompts, sampling=SamplingParams(max_tokens=4))
-    assert [o.token_ids for o in outs] == want
-    assert eng.config.buckets == buckets
-
-
 @pytest.mark.parametrize("mode", ["host", "persistent"])
 def test_every_carry_output_reuses_its_donated_buffer(model, mode):
   """Each output of the compiled step (host) or loop aliases a donated carry input, so the

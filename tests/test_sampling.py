@@ -91,12 +91,20 @@ def _threshold_keep(x, k, p):
 _filtered_jit = jax.jit(_filtered, static_argnums=(4, 5))
 
 
+# The thresholds spread over the logits' range, not over the tokens, so the way count and
+# the vocabulary size do not interact; XLA's CPU compiler takes 9-27 s over a search of 3 or
+# 15 ways at vocabularies under 32 (against 2-4 s at 37 or 600), so the 2-token vocabulary
+# is searched one way and by thresholds only.
+_SHAPES = [(2, 1), (2, "thresholds")] + [(v, w) for v in (37, 600)
+                                         for w in (1, 3, 15, "thresholds")]
+
+
 @settings(max_examples=15, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.sampled_from([2, 37, 600]),
-       st.sampled_from([1, 3, 15, "thresholds"]))
-def test_filter_matches_sorting_reference_any_shape(seed, vocab, ways):
+@given(st.integers(0, 2**31 - 1), st.sampled_from(_SHAPES))
+def test_filter_matches_sorting_reference_any_shape(seed, shape):
   """Vocabulary sizes, ties (logits on a coarse grid), every way count, and the thresholds
   found at once (`cuda_sampler.thresholds`' answer: its sort-based stand-in off the GPU)."""
+  vocab, ways = shape
   rng = np.random.default_rng(seed)
   x = (np.round(rng.normal(size=(4, vocab)) * 4) / 2).astype(np.float32)
   k = rng.integers(0, vocab + 2, size=4).astype(np.int32)

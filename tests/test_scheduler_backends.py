@@ -48,13 +48,16 @@ def _workload(seed: int):
 
 
 def _run_both(device: jax.Device, seed: int, pace_us: int = 0, prefix_caching: bool = False,
-              windowed: bool = False, pace_permille: int = 0):
+              windowed: bool = False, pace_permille: int = 0, buckets: tuple = ()):
   """`pace_us`, `pace_permille`: step pacing on, a fixed interval or relative to the step's
   length (ARCHITECTURE.md, "Step pacing"): it only delays steps, so the outputs and batches
   still equal the host run's, and some steps must have waited.
   `prefix_caching`: on, over prompts that share prefixes; some must hit (unless windowed).
-  `windowed`: windowed pages, a window of 4-12 tokens in a ring of up to 15 tokens more."""
+  `windowed`: windowed pages, a window of 4-12 tokens in a ring of up to 15 tokens more.
+  `buckets`: these step sizes instead of the workload's. Returns the host run."""
   geo, params, jobs = _workload(seed)
+  if buckets:
+    params["buckets"] = buckets
   params["min_step_interval_us"] = pace_us
   params["step_interval_permille"] = pace_permille
   if windowed:
@@ -98,6 +101,7 @@ def _run_both(device: jax.Device, seed: int, pace_us: int = 0, prefix_caching: b
     assert params["window_pages"] * params["page_size"] - params["window"] + 1 < 16
   if windowed and prefix_caching:
     assert sum(int(np.sum(t)) for t in host.local_rows) > 0, "no local-only rows"
+  return host
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -113,6 +117,19 @@ def test_cpu_handlers_match_host_run_with_relative_step_pacing():
   # A paced step waits as long again as the step before it took (the harness's own work
   # included), so every run has paced steps whatever the machine's speed.
   _run_both(jax.devices("cpu")[0], 2, pace_permille=2000)
+
+
+def test_cpu_handlers_take_the_most_buckets():
+  """MAX_BUCKETS step sizes, each its own attribute of the FFI call (bucket0..bucket15): the
+  handlers batch as the host run does, and the steps take small, middle and the largest
+  sizes (the engine maps a step's bucket index to its branch whatever the index)."""
+  from blink_jax.engine_config import MAX_BUCKETS
+  from blink_jax.native import batch as B
+  buckets = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32)
+  assert len(buckets) == MAX_BUCKETS
+  host = _run_both(jax.devices("cpu")[0], 3, buckets=buckets)
+  taken = {int(w[B.BUCKET]) for w in host.trace if int(w[B.NUM_ROWS]) > 0}
+  assert min(taken) < 4 and max(taken) == MAX_BUCKETS - 1 and len(taken) >= 6, taken
 
 
 @pytest.mark.parametrize("seed", range(3))
