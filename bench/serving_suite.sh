@@ -41,10 +41,12 @@ DEV=${DEV:-h200}  # the results' file suffix (bench/gpu_check.sh sets it from th
 mkdir -p "$OUT"
 NCPU=$(nproc)
 FRONT=0,1                       # the frontend's cores (a SmartNIC's, out of the host's reach)
-# The load generator's (default: the frontend's; CLIENT=2,3 ENGINE_CPUS=4-15 gives it its own,
-# where at saturation the two together fill cores 0-1: docs/PERFORMANCE.md, "Known gaps").
-CLIENT=${CLIENT:-$FRONT}
-ENGINE_CPUS=${ENGINE_CPUS:-2-$((NCPU - 1))}  # the engine shares these with the interference
+# The load generator's, the network side (CLIENT=$FRONT puts it with the frontend, the
+# default before 32c8fec: 1,000 requests at once then took ~1 s more TTFT on the clients than
+# in the frontend, docs/PERFORMANCE.md, "Bursts with the load generator on cores of its own
+# (revision 32c8fec)").
+CLIENT=${CLIENT:-2,3}
+ENGINE_CPUS=${ENGINE_CPUS:-4-$((NCPU - 1))}  # the engine shares these with the interference
 INT=$((2 * NCPU))
 PEER_DIR=${PEER_DIR:-.carry/peer}
 VLLM_SITE=${VLLM_SITE:-/tmp/vllm/site}  # bench/vllm_install.sh unpacks it there
