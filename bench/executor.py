@@ -146,7 +146,8 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
       outs = {s: eng.client.poll(s) for s in slots}
       for s, o in outs.items():
         got[s] += len(o.tokens)
-        first_ns[s] = first_ns[s] or o.first_ns
+        if got[s] and not first_ns[s]:  # this request's stamp (it has written an entry)
+          first_ns[s] = o.first_ns
       if not steady_seen and all(n > 0 for n in got.values()):
         steady_seen = True
         metering.enter_context(meter)
