@@ -138,7 +138,7 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
     # scans queue in slot order, so the watched one may decode before the last prefill).
     # That moment is the GPU's: the latest of the requests' first-token stamps (first_ns),
     # whatever this polling loop's lag on a busy CPU.
-    got, first_ns, steady_seen = dict.fromkeys(slots, 0), dict.fromkeys(slots, 0), False
+    got, first_ns = dict.fromkeys(slots, 0), dict.fromkeys(slots, 0)
     # The GPU's energy over the steady window (all b requests decoding, to the end): J per
     # step of the whole loop (schedule, step, sampler, commit), beside bench.step's bare step.
     meter, metering, h_steady = C.EnergyCounter(), contextlib.ExitStack(), None
@@ -148,8 +148,7 @@ def run_case(eng, cfg, batch: int, interference: int, cpus: list[int]) -> dict:
         got[s] += len(o.tokens)
         if got[s] and not first_ns[s]:  # this request's stamp (it has written an entry)
           first_ns[s] = o.first_ns
-      if not steady_seen and all(n > 0 for n in got.values()):
-        steady_seen = True
+      if h_steady is None and all(n > 0 for n in got.values()):
         metering.enter_context(meter)
         h_steady = M.read_header(eng.region)
       if all(o.finished for o in outs.values()):

@@ -14,6 +14,7 @@ per-token decode latency (median over --repeats generations of --tokens new toke
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -50,6 +51,30 @@ def hf_config(cfg):
       max_position_embeddings=8192, tie_word_embeddings=True)
 
 
+@contextlib.contextmanager
+def gguf_parsed_once(gguf_file):
+  """While open, `gguf.GGUFReader` parses this file's metadata once: transformers' GGUF loads
+  (its tokenizer, its config, its tensors) each parse all of it, Gemma's 262k-token vocabulary
+  included (about 25 s on 2 cores). Other files are read as usual."""
+  import functools
+  import os
+  import pathlib
+  from unittest import mock
+
+  import gguf
+  path = pathlib.Path(gguf_file).resolve()
+  real = gguf.GGUFReader
+  parsed = functools.lru_cache(maxsize=1)(real)
+
+  def reader(p, *args, **kw):
+    if not args and not kw and pathlib.Path(os.fspath(p)).resolve() == path:
+      return parsed(str(path))
+    return real(p, *args, **kw)
+
+  with mock.patch.object(gguf, "GGUFReader", reader):
+    yield
+
+
 def hf_gemma_from_gguf(gguf_file, dtype):
   """transformers' Gemma3ForCausalLM with the weights transformers itself reads from a GGUF:
   (model, the state dict's tensors).
@@ -59,19 +84,13 @@ def hf_gemma_from_gguf(gguf_file, dtype):
   (AutoConfig), a model from it, and the state dict from transformers' own GGUF loader
   (load_gguf_checkpoint: its own dequantization and its own undoing of llama.cpp's +1 on
   norms). The tied output layer is the embedding."""
-  import functools
   import pathlib
-  from unittest import mock
 
-  import gguf
   import torch
   import transformers
   from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
   gguf_file = pathlib.Path(gguf_file)
-  # The config and the tensors are two reads of the file, each parsing all its metadata
-  # (Gemma's 262k-token vocabulary: about 25 s on 2 cores): one parse serves both.
-  reader = functools.lru_cache(maxsize=1)(gguf.GGUFReader)
-  with mock.patch.object(gguf, "GGUFReader", reader):
+  with gguf_parsed_once(gguf_file):  # the config and the tensors: two reads of the file
     hf_cfg = transformers.AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
     tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True,

