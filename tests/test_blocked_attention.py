@@ -5,16 +5,16 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from blink_jax.kernels.blocked_attention import paged_attention_blocked
-from blink_jax.model.attention import paged_attention_reference
+from tests.oracles import blocked_attention, paged_attention
 from tests.test_pallas_prefill import _case
 
 
 def _check(args, *, window, softcap, scale, key_block, atol=2e-5):
   q, kv_pages, table, seq_ids, positions = args
-  want = paged_attention_reference(q, kv_pages, table, seq_ids, positions, window=window,
-                                   softcap=softcap, scale=scale)
-  got = paged_attention_blocked(q, kv_pages, table, seq_ids, positions, window=window,
-                                softcap=softcap, scale=scale, key_block=key_block)
+  want = paged_attention(q, kv_pages, table, seq_ids, positions, window=window,
+                         softcap=softcap, scale=scale)
+  got = blocked_attention(q, kv_pages, table, seq_ids, positions, window=window,
+                          softcap=softcap, scale=scale, key_block=key_block)
   assert got.shape == want.shape and got.dtype == want.dtype
   assert np.all(np.isfinite(np.asarray(got, np.float32)))
   real = np.asarray(seq_ids) >= 0

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from blink_jax.model.attention import kv_rows, paged_attention_reference, write_kv
+from blink_jax.model.attention import kv_rows, write_kv
 from blink_jax.kernels import pallas_attention
 from blink_jax.kernels.pallas_attention import default_splits, paged_decode_attention
 from tests.cuda_lowering import TRITON, lower_for_cuda, require_gpu
+from tests.oracles import paged_attention
 
 
 def _case(rng, *, tokens, num_heads, num_kv_heads, head_dim, page_size, max_pages, seqs,
@@ -31,8 +32,8 @@ def _check(args, *, window, softcap, scale, splits, pages_per_block, atol=2e-5, 
   q, kv_pages, table, seq_ids, positions = args
   # Full f32 precision: XLA's GPU default for f32 dots is TF32 (1e-4 off at 0.06).
   with jax.default_matmul_precision("highest"):
-    want = paged_attention_reference(q, kv_pages, table, seq_ids, positions,
-                                     window=window, softcap=softcap, scale=scale)
+    want = paged_attention(q, kv_pages, table, seq_ids, positions,
+                           window=window, softcap=softcap, scale=scale)
   got = paged_decode_attention(q, kv_pages, table, seq_ids, positions, window=window,
                                softcap=softcap, scale=scale, splits=splits,
                                pages_per_block=pages_per_block, **kw)

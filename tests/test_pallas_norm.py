@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from blink_jax.kernels import pallas_norm
-from blink_jax.model.gemma import add_rms_norm as reference
-from blink_jax.model.gemma import prepare_qkv as prepare_reference
 from blink_jax.model.gemma import rope_tables
 from blink_jax.kernels.pallas_attention import paged_decode_attention, query_rows
 from blink_jax.kernels.pallas_norm import add_rms_norm, chunk_size, prepare_qkv
 from tests.cuda_lowering import TRITON, lower_for_cuda, require_gpu
+from tests.oracles import add_rms_norm as reference
+from tests.oracles import prepare_qkv as prepare_reference
 
 
 def _case(rng, rows, width, dtype):

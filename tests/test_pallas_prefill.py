@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from blink_jax.model.attention import kv_rows, paged_attention_reference, write_kv
+from blink_jax.model.attention import kv_rows, write_kv
 from blink_jax.kernels.pallas_prefill import _segments, block_tokens, paged_prefill_attention
 from tests.cuda_lowering import check_triton_calls, lower_for_cuda, require_gpu
+from tests.oracles import paged_attention
 
 
 def _case(rng, *, tokens, num_heads, num_kv_heads, head_dim, page_size, max_pages, seqs,
@@ -30,8 +31,8 @@ def _case(rng, *, tokens, num_heads, num_kv_heads, head_dim, page_size, max_page
 def _check(args, *, window, softcap, scale, atol=2e-5, **kw):
   q, kv_pages, table, seq_ids, positions = args
   with jax.default_matmul_precision("highest"):  # XLA's GPU default for f32 dots is TF32
-    want = paged_attention_reference(q, kv_pages, table, seq_ids, positions,
-                                     window=window, softcap=softcap, scale=scale)
+    want = paged_attention(q, kv_pages, table, seq_ids, positions,
+                           window=window, softcap=softcap, scale=scale)
   got = paged_prefill_attention(q, kv_pages, table, seq_ids, positions, window=window,
                                 softcap=softcap, scale=scale, **kw)
   assert got.shape == want.shape and got.dtype == want.dtype
@@ -80,8 +81,8 @@ def _check_split(rng, *, tokens, decode, head, window, head_dim, page_size, max_
       rest_fn=paged_prefill_attention)
   scale = head_dim ** -0.5
   with jax.default_matmul_precision("highest"):
-    want = paged_attention_reference(q, kv_pages, table, seq_ids, positions, window=window,
-                                     softcap=None, scale=scale)
+    want = paged_attention(q, kv_pages, table, seq_ids, positions, window=window,
+                           softcap=None, scale=scale)
   got = split(q, kv_pages, table, seq_ids, positions, window=window, softcap=None, scale=scale)
   assert got.shape == want.shape and got.dtype == want.dtype
   real = seq_ids >= 0
