@@ -69,9 +69,13 @@ def test_relative_pacing_spaces_steps_by_a_multiple_of_their_length(permille, in
   res = H.run(jobs, cfg, region, step_hook=hook)
   H.check_run(jobs, res, cfg)
   gaps = np.diff(starts) * 1e3
-  # Step 0 prefills, step 1 (after a prefill) is not paced, steps 2-5 are.
+  # Step 0 prefills, step 1 (after a prefill) is not paced, steps 2-5 are. The hook runs
+  # after each step's schedule, model and commit, so one late hook (a busy 2-core machine:
+  # 114.6 then 86.0 ms at want 100) shortens the next gap by as much: the paced starts are
+  # checked as sums from the first paced gap, each gap only against the upper bound.
   assert len(gaps) == 5 and gaps[0] < 60, gaps
-  assert (gaps[1:] >= 0.9 * want_ms).all() and (gaps[1:] < want_ms + 60).all(), gaps
+  assert (np.cumsum(gaps[1:]) >= 0.9 * want_ms * np.arange(1, 5)).all(), gaps
+  assert (gaps[1:] < want_ms + 60).all(), gaps
 
 
 def _decoding_scheduler(interval_us: int):
