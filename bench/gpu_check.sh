@@ -121,7 +121,8 @@ export GPU_TEST_FILES=$(echo $GPU_TEST_FILES)
 # search at WAYS thresholds per pass (default 1,3,15);
 # executor_host with BLINK_HOST_MIN_GRAPH_SIZE=1 is finding 19; model_loop with
 # ARGS=--xla_extra=... compares XLA flags (findings 20, 38).
-# The vLLM peer (issue 27), in one lease (the machine goes back 30 s after a call: each call
+# The vLLM peer (issue 27), in one lease (bench/lease.sh runs the whole choreography below from
+# a plan file, bench/plans/; by hand: the machine goes back 30 s after a call: each call
 # follows the last at once): `bash bench/vllm_payload.sh` here makes .whl/vllm026.tar.xz.part-NN
 # (4 parts of 30 MiB); each call carries one part and .whl/SHA256SUMS and starts with
 # `mkdir -p /tmp/wh && cp .whl/vllm026.tar.xz.part-* /tmp/wh/`, then does its run: the first

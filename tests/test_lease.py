@@ -1,0 +1,87 @@
+"""bench/lease.sh, the multi-call lease, on a fake tree: one build, the plan's runs in order
+with their environments intact, a vLLM run held until the install, each run's results
+brought back by `collect` (docs/PERFORMANCE.md, "Serving at real scale")."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FAKE_GPU_CHECK = r'''#!/usr/bin/env bash
+mkdir -p "$OUT"
+if [[ $1 == build ]]; then echo built > "$OUT/built"; exit 0; fi
+python3 -c "import json, os; json.dump({k: os.environ.get(k) for k in
+  ('MODES', 'TAG', 'SERVE_ARGS', 'BUILD', 'SHAPES')}, open(os.environ['OUT'] + '/run.json', 'w'))"
+sleep 0.2
+'''
+
+FAKE_INSTALL = r'''#!/usr/bin/env bash
+set -e
+test -f .whl/SHA256SUMS && ls "$WH"/vllm026.tar.xz.part-03 && echo "vllm 0.26.0 imports"
+'''
+
+PLAN = """# name | environment
+ours | MODES=persistent TAG=s1
+vllm | MODES=vllm TAG=s1   # waits for the install
+f20  | MODES=persistent TAG=s1f20 SERVE_ARGS="--step_interval_factor 2.0 --x 1"
+"""
+
+
+def _tree(tmp_path: Path) -> Path:
+  tree = tmp_path / "src"
+  (tree / "bench").mkdir(parents=True)
+  shutil.copy(ROOT / "bench" / "lease.sh", tree / "bench" / "lease.sh")
+  (tree / "bench" / "gpu_check.sh").write_text(FAKE_GPU_CHECK)
+  (tree / "bench" / "vllm_install.sh").write_text(FAKE_INSTALL)
+  (tree / "plan.txt").write_text(PLAN)
+  (tree / ".whl").mkdir()
+  for k in range(4):
+    (tree / ".whl" / f"vllm026.tar.xz.part-0{k}").write_bytes(b"part")
+  (tree / ".whl" / "SHA256SUMS").write_text("sums")
+  return tree
+
+
+def test_a_plan_runs_in_order_and_each_run_comes_back(tmp_path):
+  tree = _tree(tmp_path)
+  out = tmp_path / "out"
+  out.mkdir()
+  env = dict(os.environ, LEASE_TREE=str(tmp_path / "copy"), LEASE_DIR=str(tmp_path / "lease"),
+             WH=str(tmp_path / "wh"), OUT=str(out), SHAPES="gemma3-1b")
+
+  def lease(*args, timeout=60):
+    r = subprocess.run(["bash", str(tree / "bench" / "lease.sh"), *args], env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+  assert "started plan.txt" in lease("start", "plan.txt")
+  try:
+    assert "== ours: done" in lease("collect", "ours", "30")
+    # The vLLM run waits: nothing installed yet.
+    assert "start vllm" not in (tmp_path / "lease" / "progress").read_text()
+    lease("part")
+    assert "vllm 0.26.0 imports" in lease("install")
+    lease("collect", "vllm", "30")
+    assert "== f20: done" in lease("collect", "f20", "30")
+  finally:
+    lease("stop")  # a failed check leaves no plan waiting in the background
+
+  steps = [line.split(" ", 1)[1] for line in
+           (tmp_path / "lease" / "progress").read_text().splitlines()]
+  assert steps == ["plan plan.txt", "build", "build rc=0", "start ours", "end ours rc=0",
+                   "install rc=0", "start vllm", "end vllm rc=0", "start f20",
+                   "end f20 rc=0", "plan done", "stopped"]
+  got = {}
+  for name in ("ours", "vllm", "f20"):
+    with tarfile.open(out / f"{name}.tgz") as t:
+      got[name] = json.load(t.extractfile(f"out/{name}/run.json"))
+  assert got["ours"] == {"MODES": "persistent", "TAG": "s1", "SERVE_ARGS": None, "BUILD": "0",
+                         "SHAPES": "gemma3-1b"}
+  assert got["vllm"]["MODES"] == "vllm"
+  assert got["f20"]["SERVE_ARGS"] == "--step_interval_factor 2.0 --x 1"
+  assert (tmp_path / "lease" / "out" / "build" / "built").exists()
