@@ -801,7 +801,11 @@ def _rate_positions(rates: list[float]) -> tuple[dict, list, list]:
 
 def plot_results(docs: list[tuple[str, list[dict]]], path: str | pathlib.Path,
                  percentiles=("p50", "p90", "p99")) -> pathlib.Path:
-  """Latency percentiles and throughput vs request rate, one color per (label, rows)."""
+  """Latency percentiles, throughput and energy vs request rate, one color per (label, rows).
+
+  The energy panels (J per output token from NVML, model steps per output token) are issue
+  25's bound and its cause (docs/PERFORMANCE.md, "Known gaps"); a run without them (a CPU
+  server, no NVML) leaves them empty."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -810,7 +814,7 @@ def plot_results(docs: list[tuple[str, list[dict]]], path: str | pathlib.Path,
   pos, ticks, tick_labels = _rate_positions(rates)
   panels = [("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("itl_ms", "ITL (ms)"),
             ("e2e_ms", "end-to-end latency (ms)")]
-  fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+  fig, axes = plt.subplots(2, 4, figsize=(20, 8))
   axes = axes.ravel()
   colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
   for k, (label, rows) in enumerate(docs):
@@ -832,6 +836,13 @@ def plot_results(docs: list[tuple[str, list[dict]]], path: str | pathlib.Path,
       axes[5].plot(x, [r.get("goodput") if r.get("goodput") is not None else float("nan")
                        for r in rows], "--s", color=c, ms=3, label=f"{label} goodput")
     axes[5].set_title("requests/s")
+    for ax, key, title in ((axes[6], "energy_per_token_j", "energy per output token (J)"),
+                           (axes[7], "device_steps_per_output_token",
+                            "model steps per output token")):
+      ax.plot(x, [r.get(key) if r.get(key) is not None else float("nan") for r in rows], "-o",
+              color=c, ms=3, label=label)
+      ax.set_title(title)
+      ax.set_yscale("log")
   for ax in axes:
     ax.set_xscale("log" if len(ticks) > 1 and ticks[0] > 0 else "linear")
     ax.set_xticks(ticks)
@@ -842,6 +853,7 @@ def plot_results(docs: list[tuple[str, list[dict]]], path: str | pathlib.Path,
   axes[0].legend(fontsize=7)
   axes[4].legend(fontsize=7)
   axes[5].legend(fontsize=7)
+  axes[6].legend(fontsize=7)
   fig.tight_layout()
   out = pathlib.Path(path)
   out.parent.mkdir(parents=True, exist_ok=True)
