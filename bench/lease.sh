@@ -29,6 +29,7 @@ L=${LEASE_DIR:-/tmp/blink_lease}        # progress, logs, each run's OUT folder
 WH=${WH:-/tmp/wh}                       # the vLLM parts (bench/vllm_install.sh's WH)
 mkdir -p "$L/out"
 note() { echo "$(date +%T) $*" >>"$L/progress"; }
+bring_parts() { mkdir -p "$WH" && cp "$SRC"/.whl/vllm026.tar.xz.part-* "$WH/" 2>/dev/null; }
 
 run_plan() {  # the background job of `start`
   cd "$W" || exit 1
@@ -60,7 +61,7 @@ case ${1:-} in
 start)
   PLAN=${2:?start PLAN: a plan file in the tree}
   [[ -f $SRC/$PLAN ]] || { echo "no plan $SRC/$PLAN" >&2; exit 2; }
-  mkdir -p "$WH" && cp "$SRC"/.whl/vllm026.tar.xz.part-* "$WH/" 2>/dev/null
+  bring_parts
   rm -rf "$W" && mkdir -p "$W" &&
     tar cf - -C "$SRC" --exclude=./.venv --exclude=./.venv-ci --exclude=./.git . | tar xf - -C "$W"
   note "plan $PLAN"
@@ -71,10 +72,10 @@ start)
   ;;
 _run) run_plan ;;
 part)
-  mkdir -p "$WH" && cp "$SRC"/.whl/vllm026.tar.xz.part-* "$WH/" && ls "$WH"
+  bring_parts && ls "$WH"
   ;;
 install)
-  mkdir -p "$WH" && cp "$SRC"/.whl/vllm026.tar.xz.part-* "$WH/"
+  bring_parts
   for _ in $(seq 60); do [[ -f $W/bench/vllm_install.sh ]] && break; sleep 2; done
   mkdir -p "$W/.whl" && cp "$SRC/.whl/SHA256SUMS" "$W/.whl/"
   (cd "$W" && WH=$WH bash bench/vllm_install.sh) >"$L/install.log" 2>&1
