@@ -18,7 +18,8 @@
 #              bash bench/lease.sh stop             ends the plan's job and its runs
 #
 # PLAN: a file in the tree, one run per line, `name | VAR=value ...`: the environment of one
-# `bash bench/gpu_check.sh serving` (MODES, TAG, RATES, SERVE_ARGS, BURST, ...), on top of
+# `bash bench/gpu_check.sh serving` (MODES, TAG, RATES, SERVE_ARGS, BURST, ...; RECIPE=name
+# runs that recipe of gpu_check.sh instead, e.g. RECIPE=mixed_profile), on top of
 # what the start call exports (SHAPES, BLINK_GIT_REVISION, CLIENT, ...); `#` starts a comment.
 # The runs go in order after one build; a run with MODES=vllm first waits for the install.
 # A plan without vLLM runs needs no parts: `start` and `collect` calls only.
@@ -47,9 +48,11 @@ run_plan() {  # the background job of `start`
       for _ in $(seq 300); do [[ -f $L/install.done ]] && break; sleep 2; done
       [[ -f $L/install.done ]] || note "$name: no vLLM install after 600 s"
     fi
+    local recipe=serving  # or the line's RECIPE= (a recipe of bench/gpu_check.sh)
+    [[ " $vars " =~ [[:space:]]RECIPE=([a-z_]+)[[:space:]] ]] && recipe=${BASH_REMATCH[1]}
     note "start $name"
     # The plan's words are shell assignments, quotes and all (SERVE_ARGS="--a 1 --b 2").
-    eval "env $vars BUILD=0 OUT='$L/out/$name' bash bench/gpu_check.sh serving" \
+    eval "env $vars BUILD=0 OUT='$L/out/$name' bash bench/gpu_check.sh $recipe" \
       >"$L/$name.log" 2>&1
     note "end $name rc=$?"
     touch "$L/$name.done"

@@ -208,6 +208,10 @@ class EngineConfig:
       "step started (1.25: the GPU idles a fifth of the time while it only decodes), so the "
       "pacing follows the model, the GPU and the load; with min_step_interval_us the later "
       "of the two; 1.0: off (docs/ARCHITECTURE.md, \"Step pacing\").")
+  bucket_fit: bool = _field(
+      True, "A step whose tokens pass a bucket by no more than the next bucket would pad "
+      "gives the excess of its last prompt chunk to the next step and runs the bucket below "
+      "(docs/ARCHITECTURE.md, \"Bucket fit\"): padding rows cost what real ones do.")
   prefix_caching: bool = _field(
       True, "Automatic prefix caching in the device scheduler, like vLLM's: full KV pages are "
       "registered by a hash chained over their tokens and a request maps the longest cached "

@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FAKE_GPU_CHECK = r'''#!/usr/bin/env bash
 mkdir -p "$OUT"
 if [[ $1 == build ]]; then echo built > "$OUT/built"; exit 0; fi
-python3 -c "import json, os; json.dump({k: os.environ.get(k) for k in
-  ('MODES', 'TAG', 'SERVE_ARGS', 'BUILD', 'SHAPES')}, open(os.environ['OUT'] + '/run.json', 'w'))"
+RECIPE_RUN=$1 python3 -c "import json, os; json.dump({k: os.environ.get(k) for k in
+  ('RECIPE_RUN', 'MODES', 'TAG', 'SERVE_ARGS', 'BUILD', 'SHAPES', 'MIXED')},
+  open(os.environ['OUT'] + '/run.json', 'w'))"
 sleep 0.2
 '''
 
@@ -29,6 +30,7 @@ PLAN = """# name | environment
 ours | MODES=persistent TAG=s1
 vllm | MODES=vllm TAG=s1   # waits for the install
 f20  | MODES=persistent TAG=s1f20 SERVE_ARGS="--step_interval_factor 2.0 --x 1"
+prof | RECIPE=mixed_profile MIXED=1024:8
 """
 
 
@@ -68,6 +70,7 @@ def test_a_plan_runs_in_order_and_each_run_comes_back(tmp_path):
     assert "vllm 0.26.0 imports" in lease("install")
     lease("collect", "vllm", "30")
     assert "== f20: done" in lease("collect", "f20", "30")
+    assert "== prof: done" in lease("collect", "prof", "30")
   finally:
     lease("stop")  # a failed check leaves no plan waiting in the background
 
@@ -75,13 +78,14 @@ def test_a_plan_runs_in_order_and_each_run_comes_back(tmp_path):
            (tmp_path / "lease" / "progress").read_text().splitlines()]
   assert steps == ["plan plan.txt", "build", "build rc=0", "start ours", "end ours rc=0",
                    "install rc=0", "start vllm", "end vllm rc=0", "start f20",
-                   "end f20 rc=0", "plan done", "stopped"]
+                   "end f20 rc=0", "start prof", "end prof rc=0", "plan done", "stopped"]
   got = {}
-  for name in ("ours", "vllm", "f20"):
+  for name in ("ours", "vllm", "f20", "prof"):
     with tarfile.open(out / f"{name}.tgz") as t:
       got[name] = json.load(t.extractfile(f"out/{name}/run.json"))
-  assert got["ours"] == {"MODES": "persistent", "TAG": "s1", "SERVE_ARGS": None, "BUILD": "0",
-                         "SHAPES": "gemma3-1b"}
+  assert got["ours"] == {"RECIPE_RUN": "serving", "MODES": "persistent", "TAG": "s1",
+                         "SERVE_ARGS": None, "BUILD": "0", "SHAPES": "gemma3-1b", "MIXED": None}
   assert got["vllm"]["MODES"] == "vllm"
   assert got["f20"]["SERVE_ARGS"] == "--step_interval_factor 2.0 --x 1"
+  assert (got["prof"]["RECIPE_RUN"], got["prof"]["MIXED"]) == ("mixed_profile", "1024:8")
   assert (tmp_path / "lease" / "out" / "build" / "built").exists()

@@ -102,6 +102,45 @@ def test_long_prompt_is_chunked_and_mixed_with_decode():
   assert any(rows == 8 and dec == 1 for rows, dec in steps), steps
 
 
+def _step_rows(jobs, **kw):
+  """(rows, bucket size, decode rows) of every step with work, and the run's outputs."""
+  region, cfg = _setup(**kw)
+  steps = []
+
+  def hook(step, sched):
+    b = sched.batch
+    if b[B.NUM_ROWS]:
+      steps.append((int(b[B.NUM_ROWS]), int(b[B.BUCKET_SIZE]), int(b[B.NUM_DECODE])))
+
+  res = H.run(jobs, cfg, region, step_hook=hook)
+  H.check_run(jobs, res, cfg)
+  return steps, [(r.tokens, r.finish) for r in res.results]
+
+
+def test_bucket_fit_gives_a_chunks_excess_to_the_next_step():
+  """docs/ARCHITECTURE.md, "Bucket fit" (buckets 4, 8, 16, 32): a lone 9-token prompt is a
+  step of 8 rows, then its last token as a decode row, not 9 rows padded to 16; 14 tokens
+  (past the middle of 8-16) stay padded; a 16-token prompt beside a decode row is 16 rows,
+  not 17 padded to 32. The outputs are those without the fit."""
+  kw = dict(buckets=(4, 8, 16, 32), max_seqs=4, num_pages=24)
+  lone = [H.Job(0, list(range(2, 11)), max_tokens=3, ignore_eos=True)]
+  on, out_on = _step_rows(lone, fit_buckets=1, **kw)
+  off, out_off = _step_rows(lone, fit_buckets=0, **kw)
+  assert out_on == out_off
+  assert off[0] == (9, 16, 0) and on[:2] == [(8, 8, 0), (1, 4, 1)], (on, off)
+  padded, _ = _step_rows([H.Job(0, list(range(2, 16)), max_tokens=2, ignore_eos=True)],
+                         fit_buckets=1, **kw)
+  assert padded[0] == (14, 16, 0), padded
+  beside = [H.Job(0, [3, 4], max_tokens=12, ignore_eos=True),
+            H.Job(3, list(range(2, 18)), max_tokens=2, ignore_eos=True)]
+  on, out_on = _step_rows(beside, fit_buckets=1, **kw)
+  off, out_off = _step_rows(beside, fit_buckets=0, **kw)
+  assert out_on == out_off
+  assert (17, 32, 1) in off and (17, 32, 1) not in on, (on, off)
+  i = on.index((16, 16, 1))
+  assert on[i + 1] == (2, 4, 2), on
+
+
 def test_page_pressure_preempts_youngest_and_recomputes():
   # 3 lanes, pages for barely one full context each: decode growth forces preemption.
   region, cfg = _setup(max_seqs=3, max_context=32, page_size=4, num_pages=8, buckets=(8, 16))
@@ -250,7 +289,8 @@ def workloads(draw):
     jobs.append(job)
   params = dict(vocab_size=vocab, max_context=max_context, page_size=page_size,
                 num_pages=num_pages, max_seqs=max_seqs,
-                buckets=tuple(b for b in (2, 4, 8, 16) if b <= budget), eos_ids=(1,))
+                buckets=tuple(b for b in (2, 4, 8, 16) if b <= budget), eos_ids=(1,),
+                fit_buckets=draw(st.integers(0, 1)))
   return geo, params, jobs, draw(st.floats(0.3, 1.0)), draw(st.integers(0, 99))
 
 

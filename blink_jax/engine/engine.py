@@ -228,7 +228,7 @@ class Engine:
         eos_ids=self.eos_ids, idle_poll_us=c.idle_poll_us, arena_tokens=self.geo.arena_tokens,
         min_step_interval_us=c.min_step_interval_us,
         step_interval_permille=round(c.step_interval_factor * 1000),
-        prefix_caching=int(c.prefix_caching),
+        prefix_caching=int(c.prefix_caching), fit_buckets=int(c.bucket_fit),
         window=cfg.sliding_window if c.windowed_pages else 0,
         window_pages=c.window_pages(cfg.sliding_window) if c.windowed_pages else 0)
     self.executor = Executor(model, self.sched, max_top_logprobs=c.max_top_logprobs,
