@@ -466,7 +466,7 @@ class ServerCPU:
 # (nic_frontend/metrics.py): with the output tokens they say how many model steps a token
 # costs, the figure behind the energy per token (docs/PERFORMANCE.md, "Energy").
 DEVICE_COUNTERS = ("steps", "loop_iterations", "tokens_generated", "prompt_tokens",
-                   "prefix_cache_queries", "prefix_cache_hits", "slot_scans",
+                   "prefix_cache_queries", "prefix_cache_hits", "slot_scans", "step_rows",
                    # the scheduler kernels' device time (CUDA only), read per loop iteration
                    "schedule_seconds", "commit_seconds")
 # ... and the schedule kernel's time by phase (a family labelled by phase): "schedule_<phase>"
@@ -594,6 +594,11 @@ class DeviceCounters:
     return {**mean_ms, **kernel_us, "device_steps": steps, "device_loop_iterations": iterations,
             "device_steps_per_output_token": steps / output_tokens if output_tokens else None,
             "device_tokens_per_step": step_tokens / steps if steps else None,
+            # the rows the steps ran (their buckets, padding included) and the padding's share
+            # of them (a request's first token counts as a prompt row and an output token,
+            # 1 in ~600 rows here; docs/ARCHITECTURE.md, "Bucket fit")
+            "device_rows_per_step": d["step_rows"] / steps if steps and "step_rows" in d else None,
+            "device_padding_share": 1 - step_tokens / d["step_rows"] if d.get("step_rows") else None,
             "device_slot_scans_per_iteration":
                 d["slot_scans"] / iterations if iterations and "slot_scans" in d else None,
             # prompt tokens looked up in / served from the prefix cache (vLLM's names)

@@ -115,6 +115,7 @@ const char* blink_mailbox_layout() {
   F(BlinkMailboxHeader, "header", slot_scans) F(BlinkMailboxHeader, "header", sched_scan_ns)
   F(BlinkMailboxHeader, "header", sched_poll_ns) F(BlinkMailboxHeader, "header", sched_decode_ns)
   F(BlinkMailboxHeader, "header", sched_admit_ns) F(BlinkMailboxHeader, "header", sched_batch_ns)
+  F(BlinkMailboxHeader, "header", step_rows)
   F(BlinkSlotRequest, "request", seq) F(BlinkSlotRequest, "request", cancel)
   F(BlinkSlotRequest, "request", consumed) F(BlinkSlotRequest, "request", prompt_len)
   F(BlinkSlotRequest, "request", request_id) F(BlinkSlotRequest, "request", seed)
@@ -169,10 +170,10 @@ const char* blink_counter_layout() {
   snprintf(b, sizeof b,
            "loop_iterations=%d;steps=%d;schedule_ns=%d;commit_ns=%d;sched_poll_ns=%d;"
            "sched_decode_ns=%d;sched_admit_ns=%d;sched_batch_ns=%d;paced_steps=%d;"
-           "paced_ns=%d;sched_scan_ns=%d;slot_scans=%d;num_counters=%d;",
+           "paced_ns=%d;sched_scan_ns=%d;slot_scans=%d;step_rows=%d;num_counters=%d;",
            C_LOOP_ITERATIONS, C_STEPS, C_SCHEDULE_NS, C_COMMIT_NS, C_SCHED_POLL_NS,
            C_SCHED_DECODE_NS, C_SCHED_ADMIT_NS, C_SCHED_BATCH_NS, C_PACED_STEPS, C_PACED_NS,
-           C_SCHED_SCAN_NS, C_SLOT_SCANS, C_NUM_COUNTERS);
+           C_SCHED_SCAN_NS, C_SLOT_SCANS, C_STEP_ROWS, C_NUM_COUNTERS);
   s = b;
   return s.c_str();
 }

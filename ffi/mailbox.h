@@ -152,7 +152,10 @@ struct BlinkMailboxHeader {
   uint64_t sched_decode_ns;
   uint64_t sched_admit_ns;
   uint64_t sched_batch_ns;
-  uint8_t pad1[BLINK_HEADER_BYTES - 640 - 24 * 8];
+  // rows the steps ran: the sum of their buckets' sizes, padding rows included
+  // (docs/ARCHITECTURE.md, "Bucket fit")
+  uint64_t step_rows;
+  uint8_t pad1[BLINK_HEADER_BYTES - 640 - 25 * 8];
 };
 
 struct BlinkSlotRequest {

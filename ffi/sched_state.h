@@ -142,7 +142,9 @@ enum BlinkCounter {
   C_PREFIX_HITS,      // of those, tokens whose K/V came from cached pages
   C_SCHED_SCAN_NS,    // schedule phase: the doorbells' round trip, and the slot scan if one moved
   C_SLOT_SCANS,       // schedule passes that scanned the slots (a doorbell moved, or a rescan)
-  C_NUM_COUNTERS = 22
+  C_STEP_ROWS,        // rows the steps ran: their buckets' sizes, padding included
+  // even: the CUDA kernels copy the hot state 16 bytes at a time (one counter spare)
+  C_NUM_COUNTERS = 24
 };
 
 // Per-lane fields, each an int32 array of max_seqs.

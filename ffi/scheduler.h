@@ -951,6 +951,7 @@ struct BlinkSched {
     blink_store<uint64_t>(&h->sched_decode_ns, counter(C_SCHED_DECODE_NS));
     blink_store<uint64_t>(&h->sched_admit_ns, counter(C_SCHED_ADMIT_NS));
     blink_store<uint64_t>(&h->sched_batch_ns, counter(C_SCHED_BATCH_NS));
+    blink_store<uint64_t>(&h->step_rows, counter(C_STEP_ROWS));
   }
 
   // The doorbells of the attached workers summed (uint32 wrap, as begin_pass sums them).
@@ -1205,7 +1206,10 @@ struct BlinkSched {
     });
     if (s(S_ANY_FINISH)) release_finished(x);
     x.serial([&] {
-      if (batch[B_NUM_ROWS] > 0) counter(C_STEPS)++;
+      if (batch[B_NUM_ROWS] > 0) {
+        counter(C_STEPS)++;
+        counter(C_STEP_ROWS) += uint64_t(batch[B_BUCKET_SIZE]);
+      }
       counter(C_TOKENS_GENERATED) += uint64_t(nsamples);
       counter(C_PROMPT_TOKENS) += uint64_t(s(S_PROMPT_ROWS));
       s(S_PROMPT_ROWS) = 0;

@@ -37,7 +37,9 @@ GPU_COUNTERS = ("loop_iterations", "steps", "tokens_generated", "prompt_tokens",
                 # vLLM's prefix-cache counters (tokens), 0 with prefix caching off
                 "prefix_cache_queries", "prefix_cache_hits",
                 # schedule passes that scanned the slots for new requests
-                "slot_scans")
+                "slot_scans",
+                # rows the steps ran, padding included (docs/ARCHITECTURE.md, "Bucket fit")
+                "step_rows")
 GPU_GAUGES = ("pages_in_use", "pages_total", "running", "waiting", "last_step_tokens")
 # Device time inside the scheduler's two kernels, published in ns (CUDA only: 0 on the CPU),
 # exported in seconds: per loop iteration, what a step costs outside the model, the part

@@ -265,6 +265,13 @@ def test_step_counters_of_vllm_and_blink_metrics():
   assert (row["device_steps"], row["device_tokens_per_step"]) == (20.0, 20.0)
   assert row["device_steps_per_output_token"] == 0.5
   assert row["device_schedule_us_per_iteration"] is None  # vLLM: no loop, no kernel times
+  assert row["device_rows_per_step"] is None  # vLLM's steps pad nothing we can count
+  counters.before = {"steps": 10.0, "tokens_generated": 50.0, "prompt_tokens": 50.0,
+                     "step_rows": 120.0}
+  counters.after = {"steps": 30.0, "tokens_generated": 250.0, "prompt_tokens": 250.0,
+                    "step_rows": 620.0}
+  row = counters.result(output_tokens=200)
+  assert (row["device_rows_per_step"], row["device_padding_share"]) == (25.0, pytest.approx(0.2))
   # blink: the scheduler kernels' device time per loop iteration
   counters.before = {"steps": 10.0, "loop_iterations": 100.0, "schedule_seconds": 1.0,
                      "commit_seconds": 0.5, "schedule_scan_seconds": 0.25, "slot_scans": 3.0}
@@ -344,6 +351,10 @@ def test_end_to_end_against_frontend_worker(server, tmp_path):
     # per output token), and a step carries at least one token.
     assert 0 < row["device_steps"] <= row["device_loop_iterations"], row
     assert 0 < row["device_steps_per_output_token"] <= 1 and row["device_tokens_per_step"] >= 1
+    # The steps ran their buckets, padding included: at least a row a step; the padding's
+    # share is estimated from the tokens (a request's first token counts as a prompt row and
+    # an output token, so with little padding and short requests it can dip below zero).
+    assert row["device_rows_per_step"] >= 1 and -0.5 < row["device_padding_share"] < 1, row
     # Every request rang a doorbell, so some passes scanned the slots; the scheduler's phase
     # timers are the CUDA kernels' (zero from the host scheduler).
     assert 0 < row["device_slot_scans_per_iteration"] <= 1, row

@@ -79,7 +79,7 @@ def test_named_counters_read_from_the_state():
   first, last = seen[0], seen[-1]
   assert set(first) == {"loop_iterations", "steps", "schedule_ns", "commit_ns",
                         "sched_poll_ns", "sched_decode_ns", "sched_admit_ns", "sched_batch_ns",
-                        "paced_steps", "paced_ns", "sched_scan_ns", "slot_scans"}
+                        "paced_steps", "paced_ns", "sched_scan_ns", "slot_scans", "step_rows"}
   assert 0 < first["loop_iterations"] < last["loop_iterations"]
   # one submit, one doorbell: the slots were scanned once, in the first pass
   assert first["slot_scans"] == last["slot_scans"] == 1
@@ -104,16 +104,20 @@ def test_long_prompt_is_chunked_and_mixed_with_decode():
 
 def _step_rows(jobs, **kw):
   """(rows, bucket size, decode rows) of every step with work, and the run's outputs."""
+  from blink_jax.native import ffi as F
   region, cfg = _setup(**kw)
-  steps = []
+  steps, counted = [], []
 
   def hook(step, sched):
     b = sched.batch
     if b[B.NUM_ROWS]:
       steps.append((int(b[B.NUM_ROWS]), int(b[B.BUCKET_SIZE]), int(b[B.NUM_DECODE])))
+    counted.append(F.counters(sched.state)["step_rows"])
 
   res = H.run(jobs, cfg, region, step_hook=hook)
   H.check_run(jobs, res, cfg)
+  # The state counts the rows the steps ran, padding included (the hook runs after commit).
+  assert counted[-1] == sum(b for _, b, _ in steps)
   return steps, [(r.tokens, r.finish) for r in res.results]
 
 

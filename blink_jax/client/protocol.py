@@ -83,12 +83,12 @@ HEADER_DTYPE = np.dtype({
         "requests_finished", "requests_errored", "requests_cancelled", "preemptions",
         "pages_in_use", "pages_total", "running", "waiting", "last_step_tokens",
         "schedule_ns", "commit_ns", "prefix_cache_queries", "prefix_cache_hits",
-        "slot_scans", *(f"sched_{phase}_ns" for phase in SCHEDULE_PHASES),
+        "slot_scans", *(f"sched_{phase}_ns" for phase in SCHEDULE_PHASES), "step_rows",
     ],
     "formats": ["<u8"] + ["<u4"] * 8 + ["<u8"] + ["<u4"] * 7 + [("<u8", (MAX_WORKERS,))]
-               + ["<u8"] * 24,
+               + ["<u8"] * 25,
     "offsets": [0, 8, 12, 16, 20, 24, 28, 32, 36, 40, 48, 52, 56, 60, 64, 68, 72, 128]
-               + [640 + 8 * i for i in range(24)],
+               + [640 + 8 * i for i in range(25)],
     "itemsize": HEADER_BYTES,
 })
 
