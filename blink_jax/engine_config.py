@@ -208,10 +208,11 @@ class EngineConfig:
       "step started (1.25: the GPU idles a fifth of the time while it only decodes), so the "
       "pacing follows the model, the GPU and the load; with min_step_interval_us the later "
       "of the two; 1.0: off (docs/ARCHITECTURE.md, \"Step pacing\").")
-  bucket_fit: bool = _field(
-      True, "A step whose tokens pass a bucket by no more than the next bucket would pad "
+  bucket_fit: bool | None = _field(
+      None, "A step whose tokens pass a bucket by no more than the next bucket would pad "
       "gives the excess of its last prompt chunk to the next step and runs the bucket below "
-      "(docs/ARCHITECTURE.md, \"Bucket fit\"): padding rows cost what real ones do.")
+      "(docs/ARCHITECTURE.md, \"Bucket fit\"); default: on a GPU, whose padding rows cost "
+      "what real ones do, off on a CPU, where a step's fixed cost outweighs them.")
   prefix_caching: bool = _field(
       True, "Automatic prefix caching in the device scheduler, like vLLM's: full KV pages are "
       "registered by a hash chained over their tokens and a request maps the longest cached "
@@ -327,7 +328,7 @@ class EngineConfig:
                sliding_window: int | None = None) -> "EngineConfig":
     """The config with the model- and device-dependent defaults filled in: max_seqs,
     max_context, kv_pages, kv_cache_memory_fraction, max_num_batched_tokens, buckets,
-    idle_poll_us, warm_up, window_chunk and the kernels' "auto". On a GPU without kv_pages,
+    idle_poll_us, warm_up, bucket_fit, window_chunk and the kernels' "auto". On a GPU without kv_pages,
     kv_pages stays None here: it depends on the memory left once the weights are loaded, so
     the engine fills it in then (`kv_pages_for_memory`). sliding_window: the model's (None:
     it has no sliding-window layers)."""
@@ -391,6 +392,7 @@ class EngineConfig:
         kv_cache_memory_fraction=fraction, max_num_batched_tokens=buckets[-1],
         buckets=buckets, idle_poll_us=idle_poll_us, window_chunk=window_chunk,
         warm_up=(platform == "gpu") if self.warm_up is None else self.warm_up,
+        bucket_fit=(platform == "gpu") if self.bucket_fit is None else self.bucket_fit,
         compilation_cache_dir=(default_compilation_cache_dir()
                                if self.compilation_cache_dir is None
                                else self.compilation_cache_dir),
