@@ -58,6 +58,13 @@ PREFIX_CACHE_PAGES_FACTOR = 8
 GPU_BATCHED_TOKENS = 4096
 # The most step sizes the scheduler is compiled for (BLINK_MAX_BUCKETS, ffi/sched_state.h).
 MAX_BUCKETS = 16
+# With bucket_fit, the smallest bucket a step is cut down to (docs/ARCHITECTURE.md, "Bucket
+# fit"): a prefill row costs about 3 us on the GPU (the 1B's Pallas prefill step on the H200:
+# 2.48 ms for 256 tokens, 4.97 for 1,024, 13.94 for 4,096; docs/PERFORMANCE.md, "Prefill
+# attention"), so past 512 rows the padding a cut saves (up to half the bucket) is worth more
+# than the extra step of about 1.5 ms it may cost a lone prompt, and the rest of a cut chunk
+# (fewer than 512 rows) is never cut again.
+BUCKET_FIT_ROWS = 512
 # Default size of the mailbox's prompt arena, in tokens (32 MiB of pinned memory): 4,096
 # prompts of 2,048 tokens in flight at once, where storage inside each slot would have cost
 # num_slots x max_context (512 MiB for 4,096 slots of a 32k context).

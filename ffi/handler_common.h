@@ -31,7 +31,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int64_t>("prefix_caching"),
     ::xla::ffi::StructMember<int64_t>("window"), ::xla::ffi::StructMember<int64_t>("window_pages"),
     ::xla::ffi::StructMember<int64_t>("step_interval_permille"),
-    ::xla::ffi::StructMember<int64_t>("fit_buckets"));
+    ::xla::ffi::StructMember<int64_t>("bucket_fit_rows"));
 
 namespace blink {
 

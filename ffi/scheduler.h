@@ -805,17 +805,18 @@ struct BlinkSched {
   }
 
   // Bucket fit (docs/ARCHITECTURE.md, "Bucket fit"): a step runs the smallest bucket that
-  // holds its rows, and its padding rows cost what real ones do (a prefill step is bound by
-  // its arithmetic). When the rows pass a bucket by no more than the next one would pad, the
-  // last prompt chunk gives its excess rows back: they go into the next step, and this one
-  // runs the bucket below with no padding. A prompt of the bucket's size beside a few decode
-  // rows (a burst's 1,024-token prompts and the 1,024 bucket) runs 1,024 rows, not 2,048. The
+  // holds its rows, and past bucket_fit_rows its padding rows cost what real ones do (a
+  // prefill step is bound by its arithmetic; smaller ones by the weights, whatever their
+  // rows). When the rows pass such a bucket by no more than the next one would pad, the last
+  // prompt chunk gives its excess rows back: they go into the next step, and this one runs
+  // the bucket below with no padding. A prompt of the bucket's size beside a few decode rows
+  // (a burst's 1,024-token prompts and the 1,024 bucket) runs 1,024 rows, not 2,048. The
   // chunk keeps at least one row, and a chunk that no longer ends its prompt samples nothing.
   BLINK_HD void fit_bucket() const {
     const int32_t rows = s(S_NUM_ROWS), k = s(S_NUM_STEP_LANES);
     int b = 0;
     while (b < c.num_buckets - 1 && c.bucket(b) < rows) ++b;
-    if (b == 0 || k == 0 || c.bucket(b) <= rows) return;
+    if (b == 0 || k == 0 || c.bucket(b) <= rows || c.bucket(b - 1) < c.bucket_fit_rows) return;
     const int32_t excess = rows - int32_t(c.bucket(b - 1)), pad = int32_t(c.bucket(b)) - rows;
     const int32_t l = region(lay.step_lanes)[k - 1], n = lane(L_SCHED_N, l);
     if (excess > pad || excess >= n || lane(L_BAD, l) || lane(L_ROW, l) + n != rows) return;
@@ -834,7 +835,7 @@ struct BlinkSched {
   // Drops admitted lanes with bad prompts (their rows become padding) and numbers the samples
   // of the serially scheduled lanes.
   BLINK_HD void finalize_schedule() const {
-    if (c.fit_buckets) fit_bucket();
+    if (c.bucket_fit_rows > 0) fit_bucket();
     int32_t* lanes = region(lay.step_lanes);
     for (int32_t k = 0; k < s(S_NUM_STEP_LANES); ++k) {
       int32_t l = lanes[k];

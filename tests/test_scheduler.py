@@ -125,24 +125,27 @@ def test_bucket_fit_gives_a_chunks_excess_to_the_next_step():
   """docs/ARCHITECTURE.md, "Bucket fit" (buckets 4, 8, 16, 32): a lone 9-token prompt is a
   step of 8 rows, then its last token as a decode row, not 9 rows padded to 16; 14 tokens
   (past the middle of 8-16) stay padded; a 16-token prompt beside a decode row is 16 rows,
-  not 17 padded to 32. The outputs are those without the fit."""
+  not 17 padded to 32. The outputs are those without the fit. From bucket_fit_rows 16 on, only
+  the last is cut: the 9 rows pass a bucket of 8."""
   kw = dict(buckets=(4, 8, 16, 32), max_seqs=4, num_pages=24)
   lone = [H.Job(0, list(range(2, 11)), max_tokens=3, ignore_eos=True)]
-  on, out_on = _step_rows(lone, fit_buckets=1, **kw)
-  off, out_off = _step_rows(lone, fit_buckets=0, **kw)
+  on, out_on = _step_rows(lone, bucket_fit_rows=1, **kw)
+  off, out_off = _step_rows(lone, bucket_fit_rows=0, **kw)
+  from16, _ = _step_rows(lone, bucket_fit_rows=16, **kw)
   assert out_on == out_off
-  assert off[0] == (9, 16, 0) and on[:2] == [(8, 8, 0), (1, 4, 1)], (on, off)
+  assert off[0] == from16[0] == (9, 16, 0) and on[:2] == [(8, 8, 0), (1, 4, 1)], (on, off)
   padded, _ = _step_rows([H.Job(0, list(range(2, 16)), max_tokens=2, ignore_eos=True)],
-                         fit_buckets=1, **kw)
+                         bucket_fit_rows=1, **kw)
   assert padded[0] == (14, 16, 0), padded
   beside = [H.Job(0, [3, 4], max_tokens=12, ignore_eos=True),
             H.Job(3, list(range(2, 18)), max_tokens=2, ignore_eos=True)]
-  on, out_on = _step_rows(beside, fit_buckets=1, **kw)
-  off, out_off = _step_rows(beside, fit_buckets=0, **kw)
-  assert out_on == out_off
-  assert (17, 32, 1) in off and (17, 32, 1) not in on, (on, off)
-  i = on.index((16, 16, 1))
-  assert on[i + 1] == (2, 4, 2), on
+  off, out_off = _step_rows(beside, bucket_fit_rows=0, **kw)
+  assert (17, 32, 1) in off, off
+  for rows in (1, 16):
+    on, out_on = _step_rows(beside, bucket_fit_rows=rows, **kw)
+    assert out_on == out_off
+    i = on.index((16, 16, 1))
+    assert on[i + 1] == (2, 4, 2) and (17, 32, 1) not in on, on
 
 
 def test_page_pressure_preempts_youngest_and_recomputes():
@@ -294,7 +297,7 @@ def workloads(draw):
   params = dict(vocab_size=vocab, max_context=max_context, page_size=page_size,
                 num_pages=num_pages, max_seqs=max_seqs,
                 buckets=tuple(b for b in (2, 4, 8, 16) if b <= budget), eos_ids=(1,),
-                fit_buckets=draw(st.integers(0, 1)))
+                bucket_fit_rows=draw(st.sampled_from([0, 0, 1, 2, 4, 8])))
   return geo, params, jobs, draw(st.floats(0.3, 1.0)), draw(st.integers(0, 99))
 
 
