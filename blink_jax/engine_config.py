@@ -216,10 +216,11 @@ class EngineConfig:
       "pacing follows the model, the GPU and the load; with min_step_interval_us the later "
       "of the two; 1.0: off (docs/ARCHITECTURE.md, \"Step pacing\").")
   bucket_fit: bool | None = _field(
-      None, "A step whose tokens pass a bucket by no more than the next bucket would pad "
-      "gives the excess of its last prompt chunk to the next step and runs the bucket below "
-      "(docs/ARCHITECTURE.md, \"Bucket fit\"); default: on a GPU, whose padding rows cost "
-      "what real ones do, off on a CPU, where a step's fixed cost outweighs them.")
+      None, "A step whose tokens pass a bucket of BUCKET_FIT_ROWS (512) or more by no more "
+      "than the next bucket would pad gives the excess of its last prompt chunk to the next "
+      "step and runs the bucket below (docs/ARCHITECTURE.md, \"Bucket fit\"); default: on a "
+      "GPU, where such padding rows cost what real ones do, off on a CPU, where an extra step "
+      "cost more.")
   prefix_caching: bool = _field(
       True, "Automatic prefix caching in the device scheduler, like vLLM's: full KV pages are "
       "registered by a hash chained over their tokens and a request maps the longest cached "
@@ -335,10 +336,10 @@ class EngineConfig:
                sliding_window: int | None = None) -> "EngineConfig":
     """The config with the model- and device-dependent defaults filled in: max_seqs,
     max_context, kv_pages, kv_cache_memory_fraction, max_num_batched_tokens, buckets,
-    idle_poll_us, warm_up, bucket_fit, window_chunk and the kernels' "auto". On a GPU without kv_pages,
-    kv_pages stays None here: it depends on the memory left once the weights are loaded, so
-    the engine fills it in then (`kv_pages_for_memory`). sliding_window: the model's (None:
-    it has no sliding-window layers)."""
+    idle_poll_us, warm_up, bucket_fit, window_chunk and the kernels' "auto". On a GPU
+    without kv_pages, kv_pages stays None here: it depends on the memory left once the
+    weights are loaded, so the engine fills it in then (`kv_pages_for_memory`).
+    sliding_window: the model's (None: it has no sliding-window layers)."""
     max_seqs = self.max_seqs_on(platform)
     max_context = self.max_context or min(model_max_context, 4096)
     if max_context > model_max_context:
