@@ -447,8 +447,8 @@ struct BlinkSched {
            lane(L_LEN, l) - lane(L_COMPUTED, l) == 1 && ring_has_room(l);
   }
 
-  // Tokens in lane l's registered (cached, maybe shared) pages: a row below it only recomputes
-  // the sliding-window layers' K/V (BT_LOCAL_ONLY), never a shared page's.
+  // Lane l's registered (cached, maybe shared) pages, and their tokens: a row below them only
+  // recomputes the sliding-window layers' K/V (BT_LOCAL_ONLY), never a shared page's.
   BLINK_HD int32_t registered_pages(int64_t l) const {
     return c.prefix_caching ? lane(L_REG_PAGES, l) : 0;
   }
@@ -804,6 +804,13 @@ struct BlinkSched {
     }
   }
 
+  // The smallest bucket that holds `rows` (the largest when none does).
+  BLINK_HD int bucket_of(int32_t rows) const {
+    int b = 0;
+    while (b < c.num_buckets - 1 && c.bucket(b) < rows) ++b;
+    return b;
+  }
+
   // Bucket fit (docs/ARCHITECTURE.md, "Bucket fit"): a step runs the smallest bucket that
   // holds its rows, and past bucket_fit_rows its padding rows cost what real ones do (a
   // prefill step is bound by its arithmetic; smaller ones by the weights, whatever their
@@ -814,8 +821,7 @@ struct BlinkSched {
   // chunk keeps at least one row, and a chunk that no longer ends its prompt samples nothing.
   BLINK_HD void fit_bucket() const {
     const int32_t rows = s(S_NUM_ROWS), k = s(S_NUM_STEP_LANES);
-    int b = 0;
-    while (b < c.num_buckets - 1 && c.bucket(b) < rows) ++b;
+    const int b = bucket_of(rows);
     if (b == 0 || k == 0 || c.bucket(b) <= rows || c.bucket(b - 1) < c.bucket_fit_rows) return;
     const int32_t excess = rows - int32_t(c.bucket(b - 1)), pad = int32_t(c.bucket(b)) - rows;
     const int32_t l = region(lay.step_lanes)[k - 1], n = lane(L_SCHED_N, l);
@@ -851,8 +857,7 @@ struct BlinkSched {
       }
       if (lane(L_SAMPLES, l)) lane(L_SAMPLES, l) = ++s(S_NUM_SAMPLES);
     }
-    int32_t rows = s(S_NUM_ROWS), b = 0;
-    while (b < c.num_buckets - 1 && c.bucket(b) < rows) ++b;
+    const int32_t rows = s(S_NUM_ROWS), b = bucket_of(rows);
     batch[B_NUM_ROWS] = rows;
     batch[B_BUCKET] = rows == 0 ? -1 : b;
     batch[B_BUCKET_SIZE] = rows == 0 ? 0 : int32_t(c.bucket(b));
