@@ -596,7 +596,7 @@ class DeviceCounters:
             "device_tokens_per_step": step_tokens / steps if steps else None,
             # the rows the steps ran (their buckets, padding included) and the padding's share
             # of them (a request's first token counts as a prompt row and an output token,
-            # 1 in ~600 rows here; docs/ARCHITECTURE.md, "Bucket fit")
+            # 1 in ~600 rows here; docs/ARCHITECTURE.md, "Step buckets and their padding")
             "device_rows_per_step": d["step_rows"] / steps if steps and "step_rows" in d else None,
             "device_padding_share": 1 - step_tokens / d["step_rows"] if d.get("step_rows") else None,
             "device_slot_scans_per_iteration":

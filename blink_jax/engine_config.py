@@ -58,13 +58,6 @@ PREFIX_CACHE_PAGES_FACTOR = 8
 GPU_BATCHED_TOKENS = 4096
 # The most step sizes the scheduler is compiled for (BLINK_MAX_BUCKETS, ffi/sched_state.h).
 MAX_BUCKETS = 16
-# With bucket_fit, the smallest bucket a step is cut down to (docs/ARCHITECTURE.md, "Bucket
-# fit"): a prefill row costs about 3 us on the GPU (the 1B's Pallas prefill step on the H200:
-# 2.48 ms for 256 tokens, 4.97 for 1,024, 13.94 for 4,096; docs/PERFORMANCE.md, "Prefill
-# attention"), so past 512 rows the padding a cut saves (up to half the bucket) is worth more
-# than the extra step of about 1.5 ms it may cost a lone prompt, and the rest of a cut chunk
-# (fewer than 512 rows) is never cut again.
-BUCKET_FIT_ROWS = 512
 # Default size of the mailbox's prompt arena, in tokens (32 MiB of pinned memory): 4,096
 # prompts of 2,048 tokens in flight at once, where storage inside each slot would have cost
 # num_slots x max_context (512 MiB for 4,096 slots of a 32k context).
@@ -215,12 +208,6 @@ class EngineConfig:
       "step started (1.25: the GPU idles a fifth of the time while it only decodes), so the "
       "pacing follows the model, the GPU and the load; with min_step_interval_us the later "
       "of the two; 1.0: off (docs/ARCHITECTURE.md, \"Step pacing\").")
-  bucket_fit: bool | None = _field(
-      None, "A step whose tokens pass a bucket of BUCKET_FIT_ROWS (512) or more by no more "
-      "than the next bucket would pad gives the excess of its last prompt chunk to the next "
-      "step and runs the bucket below (docs/ARCHITECTURE.md, \"Bucket fit\"); default: on a "
-      "GPU, where such padding rows cost what real ones do, off on a CPU, where an extra step "
-      "cost more.")
   prefix_caching: bool = _field(
       True, "Automatic prefix caching in the device scheduler, like vLLM's: full KV pages are "
       "registered by a hash chained over their tokens and a request maps the longest cached "
@@ -336,10 +323,10 @@ class EngineConfig:
                sliding_window: int | None = None) -> "EngineConfig":
     """The config with the model- and device-dependent defaults filled in: max_seqs,
     max_context, kv_pages, kv_cache_memory_fraction, max_num_batched_tokens, buckets,
-    idle_poll_us, warm_up, bucket_fit, window_chunk and the kernels' "auto". On a GPU
-    without kv_pages, kv_pages stays None here: it depends on the memory left once the
-    weights are loaded, so the engine fills it in then (`kv_pages_for_memory`).
-    sliding_window: the model's (None: it has no sliding-window layers)."""
+    idle_poll_us, warm_up, window_chunk and the kernels' "auto". On a GPU without kv_pages,
+    kv_pages stays None here: it depends on the memory left once the weights are loaded, so
+    the engine fills it in then (`kv_pages_for_memory`). sliding_window: the model's (None:
+    it has no sliding-window layers)."""
     max_seqs = self.max_seqs_on(platform)
     max_context = self.max_context or min(model_max_context, 4096)
     if max_context > model_max_context:
@@ -400,7 +387,6 @@ class EngineConfig:
         kv_cache_memory_fraction=fraction, max_num_batched_tokens=buckets[-1],
         buckets=buckets, idle_poll_us=idle_poll_us, window_chunk=window_chunk,
         warm_up=(platform == "gpu") if self.warm_up is None else self.warm_up,
-        bucket_fit=(platform == "gpu") if self.bucket_fit is None else self.bucket_fit,
         compilation_cache_dir=(default_compilation_cache_dir()
                                if self.compilation_cache_dir is None
                                else self.compilation_cache_dir),

@@ -71,8 +71,6 @@ const char* blink_config_check(const int64_t* words) {
              (long long)c.step_interval_permille);
   else if (c.prefix_caching != 0 && c.prefix_caching != 1)
     snprintf(buf, sizeof buf, "prefix_caching=%lld must be 0 or 1", (long long)c.prefix_caching);
-  else if (c.bucket_fit_rows < 0)
-    snprintf(buf, sizeof buf, "bucket_fit_rows=%lld must be >= 0", (long long)c.bucket_fit_rows);
   else if (c.window < 0 || (c.window > 0 && (c.window_pages < 1 || c.window_pages * c.page_size < c.window)))
     snprintf(buf, sizeof buf, "window=%lld needs window_pages=%lld of page_size=%lld to hold it",
              (long long)c.window, (long long)c.window_pages, (long long)c.page_size);

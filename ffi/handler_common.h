@@ -30,8 +30,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int64_t>("min_step_interval_us"),
     ::xla::ffi::StructMember<int64_t>("prefix_caching"),
     ::xla::ffi::StructMember<int64_t>("window"), ::xla::ffi::StructMember<int64_t>("window_pages"),
-    ::xla::ffi::StructMember<int64_t>("step_interval_permille"),
-    ::xla::ffi::StructMember<int64_t>("bucket_fit_rows"));
+    ::xla::ffi::StructMember<int64_t>("step_interval_permille"));
 
 namespace blink {
 

@@ -153,7 +153,7 @@ struct BlinkMailboxHeader {
   uint64_t sched_admit_ns;
   uint64_t sched_batch_ns;
   // rows the steps ran: the sum of their buckets' sizes, padding rows included
-  // (docs/ARCHITECTURE.md, "Bucket fit")
+  // (docs/ARCHITECTURE.md, "Step buckets and their padding")
   uint64_t step_rows;
   uint8_t pad1[BLINK_HEADER_BYTES - 640 - 25 * 8];
 };

@@ -48,10 +48,6 @@ struct BlinkSchedConfig {
   // sooner than step_interval_permille / 1000 times the previous step's length after that
   // step started. <= 1000: off.
   int64_t step_interval_permille;
-  // Bucket fit (see BlinkSched::fit_bucket): a step whose rows pass a bucket of at least
-  // bucket_fit_rows rows by no more than the next bucket would pad gives the excess rows of its
-  // last prompt chunk to the next step. 0: off.
-  int64_t bucket_fit_rows;
 
   BLINK_HD int64_t bucket(int i) const {
     const int64_t* b = &bucket0;
@@ -80,8 +76,8 @@ struct BlinkSchedConfig {
       "bucket8", "bucket9", "bucket10", "bucket11", "bucket12", "bucket13", "bucket14",        \
       "bucket15", "eos0", "eos1", "eos2", "eos3",                                               \
       "idle_poll_us", "arena_tokens", "min_step_interval_us", "prefix_caching", "window",       \
-      "window_pages", "step_interval_permille", "bucket_fit_rows"
-#define BLINK_SCHED_CONFIG_NUM_FIELDS 40
+      "window_pages", "step_interval_permille"
+#define BLINK_SCHED_CONFIG_NUM_FIELDS 39
 static_assert(sizeof(BlinkSchedConfig) == 8 * BLINK_SCHED_CONFIG_NUM_FIELDS, "config fields");
 
 // Scalars of the state (int32 words after the 64-bit counters).

@@ -447,13 +447,10 @@ struct BlinkSched {
            lane(L_LEN, l) - lane(L_COMPUTED, l) == 1 && ring_has_room(l);
   }
 
-  // Lane l's registered (cached, maybe shared) pages, and their tokens: a row below them only
-  // recomputes the sliding-window layers' K/V (BT_LOCAL_ONLY), never a shared page's.
-  BLINK_HD int32_t registered_pages(int64_t l) const {
-    return c.prefix_caching ? lane(L_REG_PAGES, l) : 0;
-  }
+  // Tokens in lane l's registered (cached, maybe shared) pages: a row below it only recomputes
+  // the sliding-window layers' K/V (BT_LOCAL_ONLY), never a shared page's.
   BLINK_HD int32_t registered_tokens(int64_t l) const {
-    return registered_pages(l) * int32_t(c.page_size);
+    return c.prefix_caching ? lane(L_REG_PAGES, l) * int32_t(c.page_size) : 0;
   }
 
   BLINK_HD void register_all() const {
@@ -811,37 +808,9 @@ struct BlinkSched {
     return b;
   }
 
-  // Bucket fit (docs/ARCHITECTURE.md, "Bucket fit"): a step runs the smallest bucket that
-  // holds its rows, and past bucket_fit_rows its padding rows cost what real ones do (a
-  // prefill step is bound by its arithmetic; smaller ones by the weights, whatever their
-  // rows). When the rows pass such a bucket by no more than the next one would pad, the last
-  // prompt chunk gives its excess rows back: they go into the next step, and this one runs
-  // the bucket below with no padding. A prompt of the bucket's size beside a few decode rows
-  // (a burst's 1,024-token prompts and the 1,024 bucket) runs 1,024 rows, not 2,048. The
-  // chunk keeps at least one row, and a chunk that no longer ends its prompt samples nothing.
-  BLINK_HD void fit_bucket() const {
-    const int32_t rows = s(S_NUM_ROWS), k = s(S_NUM_STEP_LANES);
-    const int b = bucket_of(rows);
-    if (b == 0 || k == 0 || c.bucket(b) <= rows || c.bucket(b - 1) < c.bucket_fit_rows) return;
-    const int32_t excess = rows - int32_t(c.bucket(b - 1)), pad = int32_t(c.bucket(b)) - rows;
-    const int32_t l = region(lay.step_lanes)[k - 1], n = lane(L_SCHED_N, l);
-    if (excess > pad || excess >= n || lane(L_BAD, l) || lane(L_ROW, l) + n != rows) return;
-    lane(L_SCHED_N, l) = n - excess;
-    lane(L_SAMPLES, l) = 0;
-    s(S_NUM_ROWS) -= excess;
-    s(S_PROMPT_ROWS) -= excess;
-    // The pages taken for the rows given back go back too: a lane holds the pages of what it
-    // computes (the decode pass takes a page when its row starts one), and the cached pages it
-    // maps (with windowed pages it computes their tokens again, see registered_tokens).
-    const int32_t computes = int32_t(pages_for(lane(L_COMPUTED, l) + n - excess));
-    const int32_t keep = computes > registered_pages(l) ? computes : registered_pages(l);
-    while (lane(L_PAGES, l) > keep) push_free_page(pt(l, --lane(L_PAGES, l)));
-  }
-
   // Drops admitted lanes with bad prompts (their rows become padding) and numbers the samples
   // of the serially scheduled lanes.
   BLINK_HD void finalize_schedule() const {
-    if (c.bucket_fit_rows > 0) fit_bucket();
     int32_t* lanes = region(lay.step_lanes);
     for (int32_t k = 0; k < s(S_NUM_STEP_LANES); ++k) {
       int32_t l = lanes[k];

@@ -38,7 +38,8 @@ GPU_COUNTERS = ("loop_iterations", "steps", "tokens_generated", "prompt_tokens",
                 "prefix_cache_queries", "prefix_cache_hits",
                 # schedule passes that scanned the slots for new requests
                 "slot_scans",
-                # rows the steps ran, padding included (docs/ARCHITECTURE.md, "Bucket fit")
+                # rows the steps ran, padding included (docs/ARCHITECTURE.md, "Step buckets
+                # and their padding")
                 "step_rows")
 GPU_GAUGES = ("pages_in_use", "pages_total", "running", "waiting", "last_step_tokens")
 # Device time inside the scheduler's two kernels, published in ns (CUDA only: 0 on the CPU),

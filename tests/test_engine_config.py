@@ -55,9 +55,6 @@ def test_resolved_fills_model_and_device_defaults():
   # kv_pages: sized by the engine from the GPU's memory (tests/test_capacity.py)
   assert (g.max_seqs, g.kv_pages, g.kv_cache_memory_fraction) == (256, None, 0.9)
   assert g.warm_up is True and g.idle_poll_us == 200
-  # The bucket fit: on a GPU only (docs/ARCHITECTURE.md, "Bucket fit"), unless asked.
-  assert (c.bucket_fit, g.bucket_fit) == (False, True)
-  assert EngineConfig(bucket_fit=True).resolved(128, "cpu").bucket_fit is True
   assert g.buckets == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
   assert (g.kernels.attention, g.kernels.prefill, g.kernels.norm, g.kernels.gemv) == (
       "pallas", "pallas", "pallas", "qkv+out+down")

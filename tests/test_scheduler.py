@@ -102,50 +102,24 @@ def test_long_prompt_is_chunked_and_mixed_with_decode():
   assert any(rows == 8 and dec == 1 for rows, dec in steps), steps
 
 
-def _step_rows(jobs, **kw):
-  """(rows, bucket size, decode rows) of every step with work, and the run's outputs."""
+def test_step_rows_count_the_buckets_padding_included():
+  """The state counts the rows the steps ran, their buckets' sizes (docs/ARCHITECTURE.md,
+  "Step buckets and their padding"): a 9-token prompt is one step of 16 rows (buckets 4, 8,
+  16, 32), then 1-row decode steps of 4."""
   from blink_jax.native import ffi as F
-  region, cfg = _setup(**kw)
+  region, cfg = _setup(buckets=(4, 8, 16, 32), max_seqs=4, num_pages=24)
   steps, counted = [], []
 
   def hook(step, sched):
     b = sched.batch
     if b[B.NUM_ROWS]:
-      steps.append((int(b[B.NUM_ROWS]), int(b[B.BUCKET_SIZE]), int(b[B.NUM_DECODE])))
+      steps.append((int(b[B.NUM_ROWS]), int(b[B.BUCKET_SIZE])))
     counted.append(F.counters(sched.state)["step_rows"])
 
-  res = H.run(jobs, cfg, region, step_hook=hook)
-  H.check_run(jobs, res, cfg)
-  # The state counts the rows the steps ran, padding included (the hook runs after commit).
-  assert counted[-1] == sum(b for _, b, _ in steps)
-  return steps, [(r.tokens, r.finish) for r in res.results]
-
-
-def test_bucket_fit_gives_a_chunks_excess_to_the_next_step():
-  """docs/ARCHITECTURE.md, "Bucket fit" (buckets 4, 8, 16, 32): a lone 9-token prompt is a
-  step of 8 rows, then its last token as a decode row, not 9 rows padded to 16; 14 tokens
-  (past the middle of 8-16) stay padded; a 16-token prompt beside a decode row is 16 rows,
-  not 17 padded to 32. The outputs are those without the fit. From bucket_fit_rows 16 on, only
-  the last is cut: the 9 rows pass a bucket of 8."""
-  kw = dict(buckets=(4, 8, 16, 32), max_seqs=4, num_pages=24)
-  lone = [H.Job(0, list(range(2, 11)), max_tokens=3, ignore_eos=True)]
-  on, out_on = _step_rows(lone, bucket_fit_rows=1, **kw)
-  off, out_off = _step_rows(lone, bucket_fit_rows=0, **kw)
-  from16, _ = _step_rows(lone, bucket_fit_rows=16, **kw)
-  assert out_on == out_off
-  assert off[0] == from16[0] == (9, 16, 0) and on[:2] == [(8, 8, 0), (1, 4, 1)], (on, off)
-  padded, _ = _step_rows([H.Job(0, list(range(2, 16)), max_tokens=2, ignore_eos=True)],
-                         bucket_fit_rows=1, **kw)
-  assert padded[0] == (14, 16, 0), padded
-  beside = [H.Job(0, [3, 4], max_tokens=12, ignore_eos=True),
-            H.Job(3, list(range(2, 18)), max_tokens=2, ignore_eos=True)]
-  off, out_off = _step_rows(beside, bucket_fit_rows=0, **kw)
-  assert (17, 32, 1) in off, off
-  for rows in (1, 16):
-    on, out_on = _step_rows(beside, bucket_fit_rows=rows, **kw)
-    assert out_on == out_off
-    i = on.index((16, 16, 1))
-    assert on[i + 1] == (2, 4, 2) and (17, 32, 1) not in on, on
+  jobs = [H.Job(0, list(range(2, 11)), max_tokens=3, ignore_eos=True)]
+  H.check_run(jobs, H.run(jobs, cfg, region, step_hook=hook), cfg)
+  assert steps == [(9, 16), (1, 4), (1, 4)], steps
+  assert counted[-1] == 24
 
 
 def test_page_pressure_preempts_youngest_and_recomputes():
@@ -296,8 +270,7 @@ def workloads(draw):
     jobs.append(job)
   params = dict(vocab_size=vocab, max_context=max_context, page_size=page_size,
                 num_pages=num_pages, max_seqs=max_seqs,
-                buckets=tuple(b for b in (2, 4, 8, 16) if b <= budget), eos_ids=(1,),
-                bucket_fit_rows=draw(st.sampled_from([0, 0, 1, 2, 4, 8])))
+                buckets=tuple(b for b in (2, 4, 8, 16) if b <= budget), eos_ids=(1,))
   return geo, params, jobs, draw(st.floats(0.3, 1.0)), draw(st.integers(0, 99))
 
 

@@ -20,8 +20,8 @@ import numpy as np
 
 from blink_jax.client import mailbox, mapping, protocol, shm
 from blink_jax.client.streaming import ChoiceDecoder, DeviceError
-from blink_jax.engine_config import (BUCKET_FIT_ROWS, DeviceMemory, EngineConfig,
-                                     full_context_pages, kv_pages_for_memory)
+from blink_jax.engine_config import (DeviceMemory, EngineConfig, full_context_pages,
+                                     kv_pages_for_memory)
 from blink_jax.executor import compilation_cache
 from blink_jax.executor.xla_flags import (configure_command_buffers, configure_memory_pool,
                                           pool_fraction)
@@ -229,7 +229,6 @@ class Engine:
         min_step_interval_us=c.min_step_interval_us,
         step_interval_permille=round(c.step_interval_factor * 1000),
         prefix_caching=int(c.prefix_caching),
-        bucket_fit_rows=BUCKET_FIT_ROWS if c.bucket_fit else 0,
         window=cfg.sliding_window if c.windowed_pages else 0,
         window_pages=c.window_pages(cfg.sliding_window) if c.windowed_pages else 0)
     self.executor = Executor(model, self.sched, max_top_logprobs=c.max_top_logprobs,

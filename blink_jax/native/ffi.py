@@ -64,7 +64,6 @@ class SchedConfig:
   window: int = 0  # windowed pages: the sliding window in tokens (0: off)
   window_pages: int = 0  # windowed pages: ring pages per lane
   step_interval_permille: int = 0  # step pacing relative to the step's length, off
-  bucket_fit_rows: int = 0  # bucket fit past buckets of this many rows (fit_bucket), off
 
   @classmethod
   def build(cls, *, buckets: tuple[int, ...], eos_ids: tuple[int, ...] = (), **kw) -> "SchedConfig":
