@@ -5,6 +5,7 @@ cross-check of the load generator. Markdown on stdout, one PNG per shape.
 
   python -m bench.serving_report --results bench/results --prefix serving_h200_ \\
       --plot_dir bench/results
+  python -m bench.serving_report --prefix serving_h100_ --vllm_run e1k_quiet  # variants
 """
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ def define_flags():
                       "result files: <prefix><shape>_<server>_<run>.json")
   flags.DEFINE_string("crosscheck_prefix", "crosscheck_h200_", "cross-check result files")
   flags.DEFINE_string("plot_dir", None, "write <prefix><shape without gemma3->_p99.png here")
+  flags.DEFINE_string("vllm_run", None, "compare every blink-jax run with this vLLM run "
+                      "(e.g. p600_quiet: the variants of one lease, TAG=p600f25, TAG=p600f20, "
+                      "against its one vLLM run); default: each run with vLLM's of its name")
 
 
 def load(folder: pathlib.Path, prefix: str) -> dict:
@@ -101,8 +105,10 @@ def serving_table(docs: dict, shape: str) -> list[str]:
   return out
 
 
-def vs_vllm(docs: dict, shape: str, server: str = "persistent") -> list[str]:
-  """vLLM's figure over ours (>1: ours better) at each rate and run, beside Blink's best."""
+def vs_vllm(docs: dict, shape: str, server: str = "persistent",
+            vllm_run: str | None = None) -> list[str]:
+  """vLLM's figure over ours (>1: ours better) at each rate and run, beside Blink's best;
+  each run against vLLM's run of the same name, or against `vllm_run`."""
   out = [f"| rate | run | P99 TTFT (vLLM / {NAMES[server]}) | P99 TPOT | out tok/s "
          f"({NAMES[server]} / vLLM) | J / token saved (1 - ours / vLLM's) |",
          "| --- | --- | --- | --- | --- | --- |"]
@@ -110,7 +116,7 @@ def vs_vllm(docs: dict, shape: str, server: str = "persistent") -> list[str]:
     if s != shape or srv != server or run == "single":
       continue
     for r in doc["results"]:
-      v = _row_at(docs.get((shape, "vllm", run)), r["rate"])
+      v = _row_at(docs.get((shape, "vllm", vllm_run or run)), r["rate"])
       if v is None:
         continue
       label = "all at once" if r["rate"] == "inf" else f"{float(r['rate']):g}"
@@ -169,7 +175,7 @@ def main(argv):
     print("\n".join(serving_table(docs, shape)))
     if any(s == shape and srv == "vllm" for s, srv, _ in docs):
       print()
-      print("\n".join(vs_vllm(docs, shape)))
+      print("\n".join(vs_vllm(docs, shape, vllm_run=FLAGS.vllm_run)))
     if FLAGS.plot_dir:
       plot(docs, shape, pathlib.Path(FLAGS.plot_dir) /
            f"{FLAGS.prefix}{shape.removeprefix('gemma3-')}_p99.png")
