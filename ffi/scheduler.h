@@ -801,13 +801,6 @@ struct BlinkSched {
     }
   }
 
-  // The smallest bucket that holds `rows` (the largest when none does).
-  BLINK_HD int bucket_of(int32_t rows) const {
-    int b = 0;
-    while (b < c.num_buckets - 1 && c.bucket(b) < rows) ++b;
-    return b;
-  }
-
   // Drops admitted lanes with bad prompts (their rows become padding) and numbers the samples
   // of the serially scheduled lanes.
   BLINK_HD void finalize_schedule() const {
@@ -826,7 +819,8 @@ struct BlinkSched {
       }
       if (lane(L_SAMPLES, l)) lane(L_SAMPLES, l) = ++s(S_NUM_SAMPLES);
     }
-    const int32_t rows = s(S_NUM_ROWS), b = bucket_of(rows);
+    int32_t rows = s(S_NUM_ROWS), b = 0;
+    while (b < c.num_buckets - 1 && c.bucket(b) < rows) ++b;
     batch[B_NUM_ROWS] = rows;
     batch[B_BUCKET] = rows == 0 ? -1 : b;
     batch[B_BUCKET_SIZE] = rows == 0 ? 0 : int32_t(c.bucket(b));
