@@ -16,6 +16,12 @@
 // Admission rounds per step with prefix caching: each round copies and matches the prompts it
 // admitted, and admits more into the budget that cache hits gave back (BlinkSched::schedule).
 #define BLINK_ADMIT_ROUNDS 8
+// Step pacing holds while requests keep arriving: a step is paced only until this many mean
+// gaps between arrivals have passed since the last one (BlinkSched::pace; ARCHITECTURE.md,
+// "Step pacing"). Poisson arrivals leave a gap that long once in e^4 = 55.
+#define BLINK_PACE_HOLD_GAPS 4
+// A gap longer than this (an idle spell) counts as this long in the mean gap.
+#define BLINK_PACE_MAX_GAP_US 10000000
 
 // Passed to the FFI handlers as named attributes (names = field names; see
 // BLINK_SCHED_CONFIG_FIELDS) and to the C API as an int64 array in this order.
@@ -88,7 +94,7 @@ enum BlinkScalar {
   S_ORDER_COUNT,      // order[0:S_ORDER_COUNT]: lanes in admission order
   S_NEXT_TICKET,
   S_SCAN,             // this schedule call scans the slots
-  S_NEW_COUNT,        // new requests found by the scan
+  S_ARRIVAL_GAP_US,   // pacing: mean gap between arrivals (us, a moving average; 0: unknown)
   S_NUM_ROWS,         // rows of this step's batch (holes included)
   S_NUM_DECODE,       // rows taken by the decode fast path
   S_NUM_SAMPLES,
@@ -110,6 +116,8 @@ enum BlinkScalar {
   S_PACE_T_HI,
   S_ANY_REGISTER,     // prefix caching: some lane has a full computed page not yet registered
   S_COPY_FROM,        // new_lanes[S_COPY_FROM:S_NUM_ADMITTED]: admitted, prompt not copied yet
+  S_ARRIVAL_T_LO,     // pacing: clock (ns) when the scan last found new requests (0: never)
+  S_ARRIVAL_T_HI,
   S_NUM_SCALARS = 32
 };
 

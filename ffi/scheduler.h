@@ -614,7 +614,10 @@ struct BlinkSched {
       blink_store<uint64_t>(o + OUT_OFF(first_ns), 0u);
       blink_store_release<uint32_t>(o + OUT_OFF(started_seq), uint32_t(seqs[sl]));
     });
-    x.serial([&] { s(S_Q_TAIL) = tail + n; });
+    x.serial([&] {
+      s(S_Q_TAIL) = tail + n;
+      if (n > 0 && pacing()) note_arrivals(n);
+    });
   }
 
   // Resets per-step lane fields; reads a running request's consumed count only when its ring
@@ -935,22 +938,54 @@ struct BlinkSched {
   // Whether steps are paced: min_step_interval_us or step_interval_permille set.
   BLINK_HD bool pacing() const { return c.min_step_interval_us > 0 || c.step_interval_permille > 1000; }
 
+  BLINK_HD uint64_t clock_word(int lo) const {
+    return uint64_t(uint32_t(s(lo))) | uint64_t(uint32_t(s(lo + 1))) << 32;
+  }
+  BLINK_HD void set_clock_word(int lo, uint64_t t) const {
+    s(lo) = int32_t(uint32_t(t));
+    s(lo + 1) = int32_t(uint32_t(t >> 32));
+  }
+
+  // The scan found n new requests (leader, with pacing on): the mean gap between arrivals is
+  // a moving average (weight 1/8) of the time since the last scan that found any, over n
+  // (a burst found at once counts as n arrivals), capped at BLINK_PACE_MAX_GAP_US.
+  BLINK_HD void note_arrivals(int32_t n) const {
+    const uint64_t now = X_now_ns(), last = clock_word(S_ARRIVAL_T_LO);
+    if (last != 0 && now > last) {
+      uint64_t gap = (now - last) / 1000 / uint64_t(n);
+      gap = gap < 1 ? 1 : gap > BLINK_PACE_MAX_GAP_US ? BLINK_PACE_MAX_GAP_US : gap;
+      const int64_t mean = s(S_ARRIVAL_GAP_US);
+      s(S_ARRIVAL_GAP_US) = mean == 0 ? int32_t(gap) : int32_t(mean + (int64_t(gap) - mean) / 8);
+      if (s(S_ARRIVAL_GAP_US) < 1) s(S_ARRIVAL_GAP_US) = 1;
+    }
+    set_clock_word(S_ARRIVAL_T_LO, now);
+  }
+
   // Step pacing (docs/ARCHITECTURE.md, "Step pacing"), run by the leader before the first
   // pass when pacing(): a step that follows a decode-only step with nothing waiting starts no
   // sooner than min_step_interval_us, and no sooner than step_interval_permille / 1000 times
   // the previous step's length (its start to this call), after the previous step started,
   // so a light load batches more sequences per pass over the weights and the GPU idles in
   // between. A moved doorbell (a new request, a cancel) or shutdown ends the wait at once.
+  // The wait only pays while requests keep arriving (a later arrival joins a fuller batch):
+  // once BLINK_PACE_HOLD_GAPS mean gaps have passed since the last arrival, the sequences
+  // left finish back to back, since waiting would only stretch their tokens and hold the
+  // GPU at idle power longer (a run's tail; unknown while fewer than two scans found work).
   BLINK_HD void pace() const {
     uint64_t now = X_now_ns();
     s(S_PACE_WAITED) = 0;
     if (s(S_PACE)) {
-      const uint64_t last = uint64_t(uint32_t(s(S_PACE_T_LO))) | uint64_t(uint32_t(s(S_PACE_T_HI))) << 32;
+      const uint64_t last = clock_word(S_PACE_T_LO);
       const uint64_t fixed = uint64_t(c.min_step_interval_us) * 1000;
       // At a permille of 1000 or less the relative interval has passed already: no wait.
       const uint64_t length = now > last ? now - last : 0;
       const uint64_t relative = length / 1000 * uint64_t(c.step_interval_permille);
-      const uint64_t until = last + (fixed > relative ? fixed : relative);
+      uint64_t until = last + (fixed > relative ? fixed : relative);
+      if (s(S_ARRIVAL_GAP_US) > 0) {
+        const uint64_t hold = clock_word(S_ARRIVAL_T_LO) +
+                              uint64_t(s(S_ARRIVAL_GAP_US)) * 1000 * BLINK_PACE_HOLD_GAPS;
+        if (hold < until) until = hold;
+      }
       const uint64_t start = now;
       while (now < until && doorbell_total() == uint32_t(counter(C_DOORBELL_SEEN)) &&
              blink_load<uint32_t>(&hdr()->shutdown) == 0) {
@@ -966,8 +1001,7 @@ struct BlinkSched {
 #endif
       }
     }
-    s(S_PACE_T_LO) = int32_t(uint32_t(now));
-    s(S_PACE_T_HI) = int32_t(uint32_t(now >> 32));
+    set_clock_word(S_PACE_T_LO, now);
   }
 
   // With nothing to run, polls the doorbells for up to idle_poll_us before returning an empty

@@ -123,6 +123,38 @@ def test_a_doorbell_ends_the_paced_wait(event):
     assert client.poll(slot).finish_reason == P.Finish.CANCELLED
 
 
+def test_pacing_holds_only_while_requests_keep_arriving():
+  # Three requests 10 ms apart: a mean gap of about 10 ms, so a paced wait ends 4 mean gaps
+  # after the last arrival instead of the 1 s interval, and once they have passed the
+  # requests left decode back to back (a run's tail: ARCHITECTURE.md, "Step pacing").
+  region, cfg = _setup(min_step_interval_us=1_000_000)
+  sched, client, model = HostScheduler(cfg), M.MailboxClient(region), H.FakePagedModel(cfg)
+
+  def step():
+    words = np.array(sched.schedule())
+    sched.commit(*model.step(words, np.asarray(sched.page_table)))
+    return words
+
+  for k in range(3):
+    if k:
+      time.sleep(0.01)
+    client.submit(M.Request(prompt=[5 + k, 6, 7], max_tokens=40, ignore_eos=True))
+    step()  # this request's prefill beside the earlier ones' decode: never paced
+  step()  # the first decode-only step: not paced, arms the pacing of the next
+  before = F.counters(sched.state)
+  t0 = time.monotonic()
+  words = step()
+  held = time.monotonic() - t0
+  assert int(words[B.NUM_DECODE]) == 3
+  assert held < 0.6, held  # the hold's end (about 40 ms after the last arrival), not 1 s
+  t0 = time.monotonic()
+  for _ in range(5):
+    step()
+  assert time.monotonic() - t0 < 0.5  # past the hold: back to back
+  after = F.counters(sched.state)
+  assert after["paced_steps"] - before["paced_steps"] <= 1  # at most the step that held
+
+
 def test_pacing_off_never_waits():
   sched, client, slot, step = _decoding_scheduler(0)
   for _ in range(5):
