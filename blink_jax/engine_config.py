@@ -199,7 +199,9 @@ class EngineConfig:
                                     "50000 on a CPU, where each round wakes XLA's threads).")
   min_step_interval_us: int = _field(
       0, "Step pacing: a decode-only step with nothing waiting starts at least this long "
-      "after the previous step started (a new request or a cancel ends the wait), trading "
+      "after the previous step started (a new request or a cancel ends the wait, and it "
+      "holds only while requests keep arriving: at most 4 mean gaps between arrivals after "
+      "the last one), trading "
       "time per output token for fewer passes over the weights and an idle GPU in between "
       "(docs/PERFORMANCE.md, \"Energy\"); 0: steps back to back.")
   step_interval_factor: float = _field(
@@ -207,7 +209,8 @@ class EngineConfig:
       "waiting starts no sooner than this many times the previous step's length after that "
       "step started (1.25: the GPU idles a fifth of the time while it only decodes), so the "
       "pacing follows the model, the GPU and the load; with min_step_interval_us the later "
-      "of the two; 1.0: off (docs/ARCHITECTURE.md, \"Step pacing\").")
+      "of the two, held only while requests keep arriving as that is; 1.0: off "
+      "(docs/ARCHITECTURE.md, \"Step pacing\").")
   prefix_caching: bool = _field(
       True, "Automatic prefix caching in the device scheduler, like vLLM's: full KV pages are "
       "registered by a hash chained over their tokens and a request maps the longest cached "
