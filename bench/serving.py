@@ -358,6 +358,11 @@ def compute_metrics(records: list[Record], duration_s: float, slo_ttft_ms: float
   m.update(C.percentile_stats(ms(g for r in ok for g in r.itl()), "itl_ms"))
   m.update(C.percentile_stats(ms(r.e2e for r in ok), "e2e_ms"))
   m.update(goodput(ok, duration_s, slo_ttft_ms, slo_tpot_ms))
+  # The run's tail, from the last request's send to the last answer's end: paced steps there
+  # saved no step and held the GPU at idle power (docs/PERFORMANCE.md, "Pacing factors 2.0 to
+  # 3.0 and the run's tail, 600 requests at 4, 16 and 32 req/s (revision 7423774)").
+  if ok:
+    m["tail_s"] = max(r.start + r.e2e for r in ok) - max(r.start for r in records)
   errors = sorted({r.error for r in records if r.error})
   if errors:
     m["errors"] = errors[:10]

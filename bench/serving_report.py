@@ -65,6 +65,18 @@ def _row_at(doc: dict | None, rate) -> dict | None:
   return next((r for r in doc["results"] if str(r["rate"]) == str(rate)), None)
 
 
+def tail_s(doc: dict, row: dict) -> float | None:
+  """The rate's tail (bench.serving's `tail_s`: the last request's send to the last answer's
+  end), from its saved requests for a file older than the field."""
+  if row.get("tail_s") is not None:
+    return row["tail_s"]
+  reqs = (doc.get("requests") or {}).get(str(row["rate"]))
+  done = [q for q in reqs or () if q.get("ok") and q.get("e2e_s") is not None]
+  if not done:
+    return None
+  return max(q["start_s"] + q["e2e_s"] for q in done) - max(q["start_s"] for q in reqs)
+
+
 def quiet_of(run: str) -> str | None:
   """The quiet run a thrasher run is compared with: int32 -> quiet, s49_int32 -> s49_quiet
   (a TAG's runs), int32_unpinned -> quiet; None for a quiet or single run."""
@@ -81,12 +93,13 @@ def serving_table(docs: dict, shape: str) -> list[str]:
       rates += [r["rate"] for r in d["results"] if r["rate"] not in rates]
   rates.sort(key=lambda r: math.inf if r == "inf" else float(r))
   out = ["| rate | run | server | out tok/s | P50 / P99 TTFT ms | P50 / P99 TPOT ms | J / token "
-         "| host CPU s / 1k tok (engine) | int/quiet P99 TTFT, TPOT |",
-         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+         "| tail s | host CPU s / 1k tok (engine) | int/quiet P99 TTFT, TPOT |",
+         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for rate in rates:
     for run in runs:
       for server in SERVERS:
-        r = _row_at(docs.get((shape, server, run)), rate)
+        doc = docs.get((shape, server, run))
+        r = _row_at(doc, rate)
         if r is None:
           continue
         q = _row_at(docs.get((shape, server, quiet_of(run) or "")), rate)
@@ -99,7 +112,7 @@ def serving_table(docs: dict, shape: str) -> list[str]:
             f"| {label} | {run} | {NAMES[server]} | {_f(r['output_throughput'])} "
             f"| {_f(r.get('ttft_ms_p50'))} / {_f(r.get('ttft_ms_p99'))} "
             f"| {_f(r.get('tpot_ms_p50'), 2)} / {_f(r.get('tpot_ms_p99'), 2)} "
-            f"| {_f(r.get('energy_per_token_j'), 3)} "
+            f"| {_f(r.get('energy_per_token_j'), 3)} | {_f(tail_s(doc, r), 1)} "
             f"| {_f(r.get('host_cpu_s_per_1k_tokens'), 3)} "
             f"({_f(r.get('engine_cpu_s_per_1k_tokens'), 4)}) | {ratio} |")
   return out

@@ -98,6 +98,12 @@ def test_serving_report_puts_the_servers_side_by_side(tmp_path):
   table = SR.serving_table(docs, "gemma3-1b")
   assert len(table) == 2 + 4 and "| 8 | int32 | blink persistent | 3,000 |" in table[4]
   assert table[4].endswith("| 1.10, 1.10 |")  # interference over quiet, P99 TTFT and TPOT
+  assert "| 0.050 | - |" in table[4]  # J per token; no tail without the field or requests
+  # The tail from a file's saved requests (files older than bench.serving's tail_s): the last
+  # answer's end (1.0 + 2.5 s) after the last send (2.0 s); a failed request counts as a send.
+  reqs = [{"start_s": 1.0, "ok": True, "e2e_s": 2.5}, {"start_s": 2.0, "ok": False}]
+  assert SR.tail_s({"requests": {"8.0": reqs}}, {"rate": 8.0}) == 1.5
+  assert SR.tail_s({}, {"rate": 8.0, "tail_s": 0.7}) == 0.7
   # A TAG's thrasher run is compared with the same TAG's quiet run.
   assert [SR.quiet_of(r) for r in ("int32", "s49_int32", "int32_unpinned", "quiet",
                                    "s49_quiet", "single")] == [

@@ -134,10 +134,11 @@ def test_poisson_arrivals():
 # ---- metrics -------------------------------------------------------------------------------
 
 def _records():
-  r1 = BS.Record(10, 4, ok=True, ttft=0.1, e2e=0.3, output_tokens=4,
+  r1 = BS.Record(10, 4, start=0.1, ok=True, ttft=0.1, e2e=0.3, output_tokens=4,
                  chunk_times=[0.1, 0.15, 0.2, 0.3])
-  r2 = BS.Record(20, 2, ok=True, ttft=0.2, e2e=0.5, output_tokens=2, chunk_times=[0.2, 0.4])
-  r3 = BS.Record(30, 8, ok=False, error="HTTP 500: boom")
+  r2 = BS.Record(20, 2, start=0.2, ok=True, ttft=0.2, e2e=0.5, output_tokens=2,
+                 chunk_times=[0.2, 0.4])
+  r3 = BS.Record(30, 8, start=0.3, ok=False, error="HTTP 500: boom")
   return [r1, r2, r3]
 
 
@@ -156,6 +157,8 @@ def test_metrics_on_hand_made_timelines():
   assert m["itl_ms_n"] == 4 and m["itl_ms_mean"] == A(100) and m["itl_ms_p50"] == A(75)
   assert m["itl_ms_p90"] == A(np.percentile([50, 50, 100, 200], 90))
   assert m["e2e_ms_mean"] == A(400) and m["e2e_ms_p50"] == A(400)
+  # The tail: r2's end (0.2 + 0.5 s) after the last send (r3's, at 0.3 s).
+  assert m["tail_s"] == A(0.4)
   # Goodput: only r1 meets TTFT <= 150 ms and TPOT <= 100 ms.
   assert m["good_requests"] == 1 and m["goodput"] == A(0.5)
   m = BS.compute_metrics(_records(), 2.0, slo_ttft_ms=250)
