@@ -78,17 +78,24 @@ def test_relative_pacing_spaces_steps_by_a_multiple_of_their_length(permille, in
   assert (gaps[1:] < want_ms + 60).all(), gaps
 
 
-def _decoding_scheduler(interval_us: int):
-  """A scheduler one request into its decode, its next step paced; and the frontend's client."""
+def _scheduler(interval_us: int):
+  """A host scheduler paced at `interval_us`, the frontend's client, and a function that runs
+  one step (the fake model's) and returns its batch words."""
   region, cfg = _setup(min_step_interval_us=interval_us)
   sched, client, model = HostScheduler(cfg), M.MailboxClient(region), H.FakePagedModel(cfg)
-  slot = client.submit(M.Request(prompt=[5, 6, 7], max_tokens=40, ignore_eos=True))
 
   def step():
     words = np.array(sched.schedule())
     sched.commit(*model.step(words, np.asarray(sched.page_table)))
     return words
 
+  return sched, client, step
+
+
+def _decoding_scheduler(interval_us: int):
+  """A scheduler one request into its decode, its next step paced; and the frontend's client."""
+  sched, client, step = _scheduler(interval_us)
+  slot = client.submit(M.Request(prompt=[5, 6, 7], max_tokens=40, ignore_eos=True))
   step()  # prefill
   step()  # the first decode step: not paced, arms the pacing of the next
   return sched, client, slot, step
@@ -127,14 +134,7 @@ def test_pacing_holds_only_while_requests_keep_arriving():
   # Three requests 10 ms apart: a mean gap of about 10 ms, so a paced wait ends 4 mean gaps
   # after the last arrival instead of the 1 s interval, and once they have passed the
   # requests left decode back to back (a run's tail: ARCHITECTURE.md, "Step pacing").
-  region, cfg = _setup(min_step_interval_us=1_000_000)
-  sched, client, model = HostScheduler(cfg), M.MailboxClient(region), H.FakePagedModel(cfg)
-
-  def step():
-    words = np.array(sched.schedule())
-    sched.commit(*model.step(words, np.asarray(sched.page_table)))
-    return words
-
+  sched, client, step = _scheduler(1_000_000)
   for k in range(3):
     if k:
       time.sleep(0.01)
