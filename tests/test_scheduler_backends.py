@@ -62,11 +62,11 @@ def _run_both(device: jax.Device, seed: int, pace_us: int = 0, prefix_caching: b
   params["step_interval_permille"] = pace_permille
   if pace_us or pace_permille > 1000:
     # Pacing holds only while requests keep arriving (ARCHITECTURE.md, "Step pacing"): one
-    # arrival every 3 steps and a lane for each slot, so decode-only steps with nothing
+    # arrival every 6 steps and a lane for each slot, so decode-only steps with nothing
     # waiting come between arrivals, not only in the run's tail, where pacing lets go.
     params["max_seqs"] = geo.num_slots
     for i, j in enumerate(jobs):
-      j.submit_step = 3 * i
+      j.submit_step = 6 * i
   if windowed:
     rng = random.Random(seed + 1000)
     params["window"] = rng.randint(4, 12)
