@@ -22,6 +22,10 @@
 #define BLINK_PACE_HOLD_GAPS 4
 // A gap longer than this (an idle spell) counts as this long in the mean gap.
 #define BLINK_PACE_MAX_GAP_US 10000000
+// The mean gap counts once it holds this many gaps, their plain mean, then a moving average
+// with this weight's inverse (a mean of one or two gaps, two requests of one batch found a
+// step apart, would release the pacing of a server's first requests at once).
+#define BLINK_PACE_MEAN_GAPS 8
 
 // Passed to the FFI handlers as named attributes (names = field names; see
 // BLINK_SCHED_CONFIG_FIELDS) and to the C API as an int64 array in this order.
@@ -94,7 +98,7 @@ enum BlinkScalar {
   S_ORDER_COUNT,      // order[0:S_ORDER_COUNT]: lanes in admission order
   S_NEXT_TICKET,
   S_SCAN,             // this schedule call scans the slots
-  S_ARRIVAL_GAP_US,   // pacing: mean gap between arrivals (us, a moving average; 0: unknown)
+  S_ARRIVAL_GAP_US,   // pacing: mean gap between arrivals (us; see S_ARRIVAL_GAPS)
   S_NUM_ROWS,         // rows of this step's batch (holes included)
   S_NUM_DECODE,       // rows taken by the decode fast path
   S_NUM_SAMPLES,
@@ -118,8 +122,10 @@ enum BlinkScalar {
   S_COPY_FROM,        // new_lanes[S_COPY_FROM:S_NUM_ADMITTED]: admitted, prompt not copied yet
   S_ARRIVAL_T_LO,     // pacing: clock (ns) when the scan last found new requests (0: never)
   S_ARRIVAL_T_HI,
+  S_ARRIVAL_GAPS,     // pacing: gaps in that mean so far (counts up to BLINK_PACE_MEAN_GAPS)
   S_NUM_SCALARS = 32
 };
+static_assert(S_ARRIVAL_GAPS < S_NUM_SCALARS, "the last scalar fits S_NUM_SCALARS words");
 
 // 64-bit counters (published to the mailbox header).
 enum BlinkCounter {

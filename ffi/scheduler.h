@@ -946,17 +946,19 @@ struct BlinkSched {
     s(lo + 1) = int32_t(uint32_t(t >> 32));
   }
 
-  // The scan found n new requests (leader, with pacing on): the mean gap between arrivals is
-  // a moving average (weight 1/8) of the time since the last scan that found any, over n
-  // (a burst found at once counts as n arrivals), capped at BLINK_PACE_MAX_GAP_US.
+  // The scan found n new requests (leader, with pacing on): the mean gap between arrivals
+  // takes the time since the last scan that found any, over n (a burst found at once counts
+  // as n arrivals), capped at BLINK_PACE_MAX_GAP_US: the plain mean of the first
+  // BLINK_PACE_MEAN_GAPS gaps, a moving average with weight 1 / BLINK_PACE_MEAN_GAPS after.
   BLINK_HD void note_arrivals(int32_t n) const {
     const uint64_t now = X_now_ns(), last = clock_word(S_ARRIVAL_T_LO);
     if (last != 0 && now > last) {
       uint64_t gap = (now - last) / 1000 / uint64_t(n);
       gap = gap < 1 ? 1 : gap > BLINK_PACE_MAX_GAP_US ? BLINK_PACE_MAX_GAP_US : gap;
+      if (s(S_ARRIVAL_GAPS) < BLINK_PACE_MEAN_GAPS) s(S_ARRIVAL_GAPS)++;
       const int64_t mean = s(S_ARRIVAL_GAP_US);
-      s(S_ARRIVAL_GAP_US) = mean == 0 ? int32_t(gap) : int32_t(mean + (int64_t(gap) - mean) / 8);
-      if (s(S_ARRIVAL_GAP_US) < 1) s(S_ARRIVAL_GAP_US) = 1;
+      const int64_t next = mean + (int64_t(gap) - mean) / s(S_ARRIVAL_GAPS);
+      s(S_ARRIVAL_GAP_US) = int32_t(next < 1 ? 1 : next);
     }
     set_clock_word(S_ARRIVAL_T_LO, now);
   }
@@ -970,7 +972,8 @@ struct BlinkSched {
   // The wait only pays while requests keep arriving (a later arrival joins a fuller batch):
   // once BLINK_PACE_HOLD_GAPS mean gaps have passed since the last arrival, the sequences
   // left finish back to back, since waiting would only stretch their tokens and hold the
-  // GPU at idle power longer (a run's tail; unknown while fewer than two scans found work).
+  // GPU at idle power longer (a run's tail). The mean counts once BLINK_PACE_MEAN_GAPS gaps
+  // are in it: a server's first requests are paced as without the hold.
   BLINK_HD void pace() const {
     uint64_t now = X_now_ns();
     s(S_PACE_WAITED) = 0;
@@ -981,7 +984,7 @@ struct BlinkSched {
       const uint64_t length = now > last ? now - last : 0;
       const uint64_t relative = length / 1000 * uint64_t(c.step_interval_permille);
       uint64_t until = last + (fixed > relative ? fixed : relative);
-      if (s(S_ARRIVAL_GAP_US) > 0) {
+      if (s(S_ARRIVAL_GAPS) >= BLINK_PACE_MEAN_GAPS) {
         const uint64_t hold = clock_word(S_ARRIVAL_T_LO) +
                               uint64_t(s(S_ARRIVAL_GAP_US)) * 1000 * BLINK_PACE_HOLD_GAPS;
         if (hold < until) until = hold;

@@ -131,15 +131,21 @@ def test_a_doorbell_ends_the_paced_wait(event):
 
 
 def test_pacing_holds_only_while_requests_keep_arriving():
-  # Three requests 10 ms apart: a mean gap of about 10 ms, so a paced wait ends 4 mean gaps
-  # after the last arrival instead of the 1 s interval, and once they have passed the
-  # requests left decode back to back (a run's tail: ARCHITECTURE.md, "Step pacing").
+  # Nine requests 10 ms apart: 8 gaps, a mean of about 10 ms, so a paced wait ends 4 mean
+  # gaps after the last arrival instead of the 1 s interval, and once they have passed the
+  # requests left decode back to back (a run's tail: ARCHITECTURE.md, "Step pacing"). The
+  # first six answer one token (their prefill's), so the last three decode together.
   sched, client, step = _scheduler(1_000_000)
-  for k in range(3):
+  for k in range(9):
     if k:
       time.sleep(0.01)
-    client.submit(M.Request(prompt=[5 + k, 6, 7], max_tokens=40, ignore_eos=True))
+    long = k >= 6
+    slot = client.submit(M.Request(prompt=[5 + k, 6, 7], max_tokens=40 if long else 1,
+                                   ignore_eos=True))
     step()  # this request's prefill beside the earlier ones' decode: never paced
+    if not long:
+      assert client.poll(slot).finished
+      client.release(slot)
   step()  # the first decode-only step: not paced, arms the pacing of the next
   before = F.counters(sched.state)
   t0 = time.monotonic()
@@ -153,6 +159,20 @@ def test_pacing_holds_only_while_requests_keep_arriving():
   assert time.monotonic() - t0 < 0.5  # past the hold: back to back
   after = F.counters(sched.state)
   assert after["paced_steps"] - before["paced_steps"] <= 1  # at most the step that held
+
+
+def test_a_servers_first_requests_are_paced_without_the_hold():
+  # Two requests of one batch found a step apart, then one more: two gaps, too few for a
+  # mean (ARCHITECTURE.md, "Step pacing"), so the 200 ms interval holds.
+  sched, client, step = _scheduler(200_000)
+  for k in range(3):
+    client.submit(M.Request(prompt=[5 + k, 6, 7], max_tokens=40, ignore_eos=True))
+    step()
+  step()  # the first decode-only step arms the pacing of the next
+  t0 = time.monotonic()
+  for _ in range(2):
+    step()
+  assert time.monotonic() - t0 >= 0.35
 
 
 def test_pacing_off_never_waits():
