@@ -343,6 +343,15 @@ def regoodput(doc: dict, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -
   return {**doc, "results": rows}
 
 
+def tail_s(records: list[Record]) -> float | None:
+  """The run's tail, from the last request's send to the last answer's end (None: no answer):
+  paced steps there saved no step and held the GPU at idle power (docs/PERFORMANCE.md,
+  "Pacing factors 2.0 to 3.0 and the run's tail, 600 requests at 4, 16 and 32 req/s
+  (revision 7423774)")."""
+  ends = [r.start + r.e2e for r in records if r.ok]
+  return max(ends) - max(r.start for r in records) if ends else None
+
+
 def compute_metrics(records: list[Record], duration_s: float, slo_ttft_ms: float | None = None,
                     slo_tpot_ms: float | None = None) -> dict:
   ok = [r for r in records if r.ok]
@@ -358,11 +367,8 @@ def compute_metrics(records: list[Record], duration_s: float, slo_ttft_ms: float
   m.update(C.percentile_stats(ms(g for r in ok for g in r.itl()), "itl_ms"))
   m.update(C.percentile_stats(ms(r.e2e for r in ok), "e2e_ms"))
   m.update(goodput(ok, duration_s, slo_ttft_ms, slo_tpot_ms))
-  # The run's tail, from the last request's send to the last answer's end: paced steps there
-  # saved no step and held the GPU at idle power (docs/PERFORMANCE.md, "Pacing factors 2.0 to
-  # 3.0 and the run's tail, 600 requests at 4, 16 and 32 req/s (revision 7423774)").
   if ok:
-    m["tail_s"] = max(r.start + r.e2e for r in ok) - max(r.start for r in records)
+    m["tail_s"] = tail_s(records)
   errors = sorted({r.error for r in records if r.error})
   if errors:
     m["errors"] = errors[:10]

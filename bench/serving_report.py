@@ -71,10 +71,7 @@ def tail_s(doc: dict, row: dict) -> float | None:
   if row.get("tail_s") is not None:
     return row["tail_s"]
   reqs = (doc.get("requests") or {}).get(str(row["rate"]))
-  done = [q for q in reqs or () if q.get("ok") and q.get("e2e_s") is not None]
-  if not done:
-    return None
-  return max(q["start_s"] + q["e2e_s"] for q in done) - max(q["start_s"] for q in reqs)
+  return BS.tail_s(BS.records_of(reqs)) if reqs else None
 
 
 def quiet_of(run: str) -> str | None:

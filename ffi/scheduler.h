@@ -822,7 +822,8 @@ struct BlinkSched {
       }
       if (lane(L_SAMPLES, l)) lane(L_SAMPLES, l) = ++s(S_NUM_SAMPLES);
     }
-    int32_t rows = s(S_NUM_ROWS), b = 0;
+    const int32_t rows = s(S_NUM_ROWS);
+    int32_t b = 0;
     while (b < c.num_buckets - 1 && c.bucket(b) < rows) ++b;
     batch[B_NUM_ROWS] = rows;
     batch[B_BUCKET] = rows == 0 ? -1 : b;
@@ -957,8 +958,8 @@ struct BlinkSched {
       gap = gap < 1 ? 1 : gap > BLINK_PACE_MAX_GAP_US ? BLINK_PACE_MAX_GAP_US : gap;
       if (s(S_ARRIVAL_GAPS) < BLINK_PACE_MEAN_GAPS) s(S_ARRIVAL_GAPS)++;
       const int64_t mean = s(S_ARRIVAL_GAP_US);
-      const int64_t next = mean + (int64_t(gap) - mean) / s(S_ARRIVAL_GAPS);
-      s(S_ARRIVAL_GAP_US) = int32_t(next < 1 ? 1 : next);
+      // At least 1 (gap and mean are, and the division truncates toward zero).
+      s(S_ARRIVAL_GAP_US) = int32_t(mean + (int64_t(gap) - mean) / s(S_ARRIVAL_GAPS));
     }
     set_clock_word(S_ARRIVAL_T_LO, now);
   }

@@ -101,7 +101,9 @@ def test_serving_report_puts_the_servers_side_by_side(tmp_path):
   assert "| 0.050 | - |" in table[4]  # J per token; no tail without the field or requests
   # The tail from a file's saved requests (files older than bench.serving's tail_s): the last
   # answer's end (1.0 + 2.5 s) after the last send (2.0 s); a failed request counts as a send.
-  reqs = [{"start_s": 1.0, "ok": True, "e2e_s": 2.5}, {"start_s": 2.0, "ok": False}]
+  saved = dict(input_len=8, max_tokens=4, error=None, ttft_s=None, output_tokens=0)
+  reqs = [{**saved, "start_s": 1.0, "ok": True, "e2e_s": 2.5},
+          {**saved, "start_s": 2.0, "ok": False, "e2e_s": None}]
   assert SR.tail_s({"requests": {"8.0": reqs}}, {"rate": 8.0}) == 1.5
   assert SR.tail_s({}, {"rate": 8.0, "tail_s": 0.7}) == 0.7
   # A TAG's thrasher run is compared with the same TAG's quiet run.
