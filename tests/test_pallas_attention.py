@@ -90,6 +90,38 @@ def test_default_splits_fill_the_gpu_at_small_batches():
   assert default_splits(tokens=64, num_kv_heads=8, num_blocks=19) == 1
 
 
+def test_programs_are_shared_out_among_the_live_rows():
+  """A decode head of 256 rows has default_splits' one program a row; with 48 live rows
+  each takes 4 (the largest power of two that fits), with one 32 (no more than the blocks
+  of its page list), with all live one each; the live rows run to the last real one."""
+  def counts(live_rows, tokens=256, most=32):
+    valid = np.zeros(tokens, bool)
+    valid[live_rows] = True
+    return tuple(int(c) for c in pallas_attention.live_splits(
+        jnp.asarray(valid), tokens * default_splits(tokens, 1, most), most))
+  assert counts(np.arange(48)) == (48, 4)
+  assert counts([0]) == (1, 32)
+  assert counts(np.arange(256)) == (256, 1)
+  assert counts([0, 1, 130]) == (131, 1)
+  assert counts([]) == (0, 32)
+  assert counts([0, 2], tokens=8) == (3, 32)  # 8 x 32 programs at batch 8
+
+
+@pytest.mark.parametrize("live", [1, 5, 13])
+def test_a_mostly_padded_step_matches_the_reference(live):
+  """The decode head's case: 64 rows, the first few live (one padding row among them), the
+  rest padding; each live row's context spread over several programs."""
+  rng = np.random.default_rng(live)
+  q, kv_pages, table, seq_ids, positions = _case(
+      rng, tokens=64, num_heads=4, num_kv_heads=1, head_dim=16, page_size=4, max_pages=24,
+      seqs=6)
+  seq_ids = np.where(np.arange(64) < live, rng.integers(0, 6, 64), -1).astype(np.int32)
+  seq_ids[live // 2] = -1 if live > 1 else seq_ids[0]
+  for window in (None, 11):
+    _check((q, kv_pages, table, seq_ids, positions), window=window, softcap=None, scale=0.25,
+           splits=None, pages_per_block=2)
+
+
 def test_rejects_mismatched_heads():
   rng = np.random.default_rng(2)
   q, kv_pages, table, seq_ids, positions = _case(
@@ -111,11 +143,12 @@ def test_lowers_to_a_triton_kernel_for_cuda(window):
                                                           scale=0.0625, interpret=False),
                         *shapes)
   assert text.count(f"@{TRITON}") == 2
-  # default_splits at batch 1, then merge programs over (token, KV head, slices of the head
-  # dims): each loads all splits of the group's 4 query rows (not the 16 padded ones).
+  # default_splits' programs at batch 1 (by KV head), then merge programs over (token, KV
+  # head, slices of the head dims): each loads all splits of the group's 4 query rows (not
+  # the 16 padded ones).
   splits = default_splits(1, 1, 19)
   dims = min(256, 16384 // (splits * 4))
-  assert f"grid_x = 1 : i32, grid_y = 1 : i32, grid_z = {splits} : i32" in text
+  assert f"grid_x = {splits} : i32, grid_y = 1 : i32, grid_z = 1 : i32" in text
   assert f"grid_x = 1 : i32, grid_y = 1 : i32, grid_z = {256 // dims} : i32" in text
   assert "stablehlo.while" not in text  # the interpreter would loop over the grid
 

@@ -6,9 +6,11 @@ a contiguous copy and then runs two GEMMs and a softmax: at batch 1 XLA compiles
 seven kernels per layer (gather, two GEMM fusions, softmax, two pads, a split-K reduce;
 docs/NOTES.md, "Dot-strength reduction off"), and inside a CUDA graph each kernel costs ~2 us
 however little
-it does. Here a layer's attention is two launches: the first's grid is (token, KV head,
-split); each program walks its share of the token's pages a block at a time with an online
-softmax (flash decoding) and writes a partial output; the second merges the splits.
+it does. Here a layer's attention is two launches: the first's grid is (program, KV head),
+a fixed number of programs shared out among the step's live rows at run time (the splits of
+a token: more of them when fewer rows are live); each program walks its share of its token's
+pages a block at a time with an online softmax (flash decoding) and writes a partial output;
+the second merges each token's splits.
 
 Same signature and semantics as the reference (causal, optional sliding window, soft-cap,
 scale, GQA; padding rows produce finite garbage). Meant for steps with few tokens per
@@ -52,70 +54,97 @@ def query_rows(group: int) -> int:
   return max(_MIN_ROWS, pl.next_power_of_2(group))
 
 
-def _kernel(q_ref, k_ref, v_ref, table_ref, bounds_ref, o_ref, m_ref, l_ref, *,
-            pages_per_block: int, splits: int, window: int | None, softcap: float | None,
-            scale: float):
-  """One (token, KV head, split): q_ref [G, h]; k_ref, v_ref [P, page_size, h]; table_ref
-  [W] (the token's page list, entries clipped to valid page ids, padded so any block
-  starting before its end fits); bounds_ref [2] = (position, first page to read). The
-  blocks of pages that hold keys in [first page * page_size, position] are shared out
-  evenly among the splits at run time, whatever the context length. Writes the split's
-  unnormalised output [G, h] and its softmax max and sum [G]."""
-  split = pl.program_id(2)
-  page_size = k_ref.shape[1]
-  block_keys = pages_per_block * page_size
-  pos, first_page = bounds_ref[0], bounds_ref[1]
-  # A padding row (pos < 0) has no pages.
-  num_pages = jnp.maximum(pos // page_size + 1 - first_page, 0)
-  num_blocks = pl.cdiv(num_pages, pages_per_block)
-  per_split = pl.cdiv(num_blocks, splits)
-  first_block = jnp.minimum(split * per_split, num_blocks)
-  end_block = jnp.minimum(first_block + per_split, num_blocks)
+def _kernel(counts_ref, q_ref, k_ref, v_ref, table_ref, bounds_ref, o_ref, m_ref, l_ref, *,
+            pages_per_block: int, window: int | None, softcap: float | None, scale: float):
+  """One (program, KV head): counts_ref [2] = (live rows, splits per row) for the step, so
+  program p takes split p % splits of row p // splits, and programs past the live rows' do
+  nothing (the merge never reads their output). q_ref [T, G, h] (every row's query);
+  k_ref, v_ref [P, page_size, h]; table_ref [T, W] (each row's page list, entries clipped to
+  valid page ids, padded so any block starting before its end fits); bounds_ref [T, 2] =
+  (position, first page to read). The blocks of pages that hold keys in [first page *
+  page_size, position] are shared out evenly among the splits at run time, whatever the
+  context length. Writes the split's unnormalised output [G, h] and its softmax max and sum
+  [G]."""
+  program = pl.program_id(0)
+  live, splits = counts_ref[0], counts_ref[1]
+  token, split = program // splits, program % splits
 
-  q = q_ref[...]
-  groups, head_dim = q.shape
-  # f32 (the CPU == GPU tests): full precision, not Triton's TF32 default.
-  precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+  @pl.when(token < live)
+  def _():
+    page_size = k_ref.shape[1]
+    block_keys = pages_per_block * page_size
+    pos, first_page = bounds_ref[token, 0], bounds_ref[token, 1]
+    # A padding row (pos < 0) has no pages.
+    num_pages = jnp.maximum(pos // page_size + 1 - first_page, 0)
+    num_blocks = pl.cdiv(num_pages, pages_per_block)
+    per_split = pl.cdiv(num_blocks, splits)
+    first_block = jnp.minimum(split * per_split, num_blocks)
+    end_block = jnp.minimum(first_block + per_split, num_blocks)
 
-  def body(block, carry):
-    o, m, l = carry
-    page = first_page + block * pages_per_block
-    ids = table_ref[pl.ds(page, pages_per_block)]
-    k = k_ref[ids].reshape(block_keys, head_dim)
-    v = v_ref[ids].reshape(block_keys, head_dim)
-    logits = plgpu.dot(q, k, trans_b=True, precision=precision) * scale
-    logits = apply_softcap(logits, softcap)
-    key_pos = page * page_size + jnp.arange(block_keys)
-    mask = key_pos <= pos
-    if window is not None:
-      mask &= pos - key_pos < window
-    logits = jnp.where(mask[None, :], logits, MASK_VALUE)
-    m_new = jnp.maximum(m, logits.max(axis=-1))
-    correction = jnp.exp2((m - m_new) * _LOG2E)
-    p = jnp.exp2((logits - m_new[:, None]) * _LOG2E)
-    l_new = l * correction + p.sum(axis=-1)
-    o_new = o * correction[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
-    return o_new, m_new, l_new
+    q = q_ref[token]
+    groups, head_dim = q.shape
+    # f32 (the CPU == GPU tests): full precision, not Triton's TF32 default.
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
-  init = (jnp.zeros((groups, head_dim), jnp.float32),
-          jnp.full((groups,), MASK_VALUE, jnp.float32), jnp.zeros((groups,), jnp.float32))
-  o, m, l = lax.fori_loop(first_block, end_block, body, init)
-  o_ref[...] = o
-  m_ref[...] = m
-  l_ref[...] = l
+    def body(block, carry):
+      o, m, l = carry
+      page = first_page + block * pages_per_block
+      ids = table_ref[token, pl.ds(page, pages_per_block)]
+      k = k_ref[ids].reshape(block_keys, head_dim)
+      v = v_ref[ids].reshape(block_keys, head_dim)
+      logits = plgpu.dot(q, k, trans_b=True, precision=precision) * scale
+      logits = apply_softcap(logits, softcap)
+      key_pos = page * page_size + jnp.arange(block_keys)
+      mask = key_pos <= pos
+      if window is not None:
+        mask &= pos - key_pos < window
+      logits = jnp.where(mask[None, :], logits, MASK_VALUE)
+      m_new = jnp.maximum(m, logits.max(axis=-1))
+      correction = jnp.exp2((m - m_new) * _LOG2E)
+      p = jnp.exp2((logits - m_new[:, None]) * _LOG2E)
+      l_new = l * correction + p.sum(axis=-1)
+      o_new = o * correction[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+      return o_new, m_new, l_new
+
+    init = (jnp.zeros((groups, head_dim), jnp.float32),
+            jnp.full((groups,), MASK_VALUE, jnp.float32), jnp.zeros((groups,), jnp.float32))
+    o, m, l = lax.fori_loop(first_block, end_block, body, init)
+    o_ref[...] = o
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _merged(o, m, l, dtype):
+  """Splits' partial softmaxes o [S, G, c], m and l [S, G] -> the normalised output [G, c].
+  A split that read nothing has l = 0 and the mask value as its max, so its weight vanishes
+  next to any split that read a key."""
+  m_all = m.max(axis=0)
+  weight = jnp.exp(m - m_all[None, :])
+  l_all = (l * weight).sum(axis=0)
+  out = (o * weight[:, :, None]).sum(axis=0)
+  return (out / jnp.maximum(l_all, 1e-30)[:, None]).astype(dtype)
 
 
 def _merge_kernel(o_ref, m_ref, l_ref, out_ref):
-  """One (token, KV head, slice of head dims): merges the splits' partial softmaxes o_ref
-  [S, G, c], m_ref and l_ref [S, G] into out_ref [G, c], all splits in one load (a loop over
-  them made a batch-1 token 0.3 ms slower on the H200). A split that read nothing has l = 0
-  and the mask value as its max, so its weight vanishes next to any split that read a key."""
-  m = m_ref[...]
-  m_all = m.max(axis=0)
-  weight = jnp.exp(m - m_all[None, :])
-  l_all = (l_ref[...] * weight).sum(axis=0)
-  out = (o_ref[...] * weight[:, :, None]).sum(axis=0)
-  out_ref[...] = (out / jnp.maximum(l_all, 1e-30)[:, None]).astype(out_ref.dtype)
+  """One (token, KV head, slice of head dims): merges the splits o_ref [S, G, c], m_ref and
+  l_ref [S, G] into out_ref [G, c], all splits in one load (a loop over them made a batch-1
+  token 0.3 ms slower on the H200)."""
+  out_ref[...] = _merged(o_ref[...], m_ref[...], l_ref[...], out_ref.dtype)
+
+
+def _merge_live_kernel(counts_ref, o_ref, m_ref, l_ref, out_ref, *, most: int):
+  """The same for the decode kernel's splits, laid out by program: token t's are rows [t *
+  splits, (t + 1) * splits) of o_ref [N, G, c], m_ref and l_ref [N, G], splits from
+  counts_ref as in `_kernel`. Loads the most splits a token can have, masked to its own
+  (`most`; masked rows are not read); a row past the live ones gets zeros."""
+  token = pl.program_id(0)
+  live, splits = counts_ref[0], counts_ref[1]
+  mine = (jnp.arange(most) < splits) & (token < live)
+  rows = pl.ds(token * splits, most)
+  m = plgpu.load(m_ref.at[rows], mask=mine[:, None], other=MASK_VALUE)
+  l = plgpu.load(l_ref.at[rows], mask=mine[:, None], other=0.0)
+  o = plgpu.load(o_ref.at[rows], mask=mine[:, None, None], other=0.0)
+  out_ref[...] = _merged(o, m, l, out_ref.dtype)
 
 
 def default_splits(tokens: int, num_kv_heads: int, num_blocks: int) -> int:
@@ -139,8 +168,15 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
 
   pages_per_block: pages per inner step (x page_size keys per dot; a power of two; default:
   tiles of at most TILE_BYTES, at least 16 keys); splits: programs that share one token's
-  context (a power of two; default `default_splits`: 32 at batch 1, so a 1k-token context
-  of 16-token pages is one 4-page block for each of 16 programs). interpret: run the
+  context (a power of two). Given, every token gets that many. By default the kernel runs
+  T x `default_splits` programs (32 at batch 1, so a 1k-token context of 16-token pages is
+  one 4-page block for each of 16 programs) and shares them out at run time among the rows
+  up to the last live one (sequence >= 0), each getting the largest power of two of them
+  that fits, at most one per block of the page list: a step whose rows are mostly padding,
+  such as the decode head of a mixed step (`select.head_then_rest`: 256 rows, often a few
+  dozen live), spreads each context over several programs instead of walking it in one
+  (docs/PERFORMANCE.md, "Pacing that holds while requests keep arriving, against vLLM at 4,
+  16 and 32 req/s (revision d27bbfa)"). interpret: run the
   kernels with Pallas' interpreter (default: when the default device is not a GPU; pass it
   explicitly when computing on another device)."""
   if interpret is None:
@@ -165,10 +201,16 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
   if pages_per_block & (pages_per_block - 1):
     raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block}")
   max_pages = page_table.shape[1]
+  num_blocks = pl.cdiv(max_pages, pages_per_block)
   if splits is None:
-    splits = default_splits(tokens, num_kv_heads, pl.cdiv(max_pages, pages_per_block))
-  if splits < 1 or splits & (splits - 1):
+    # The programs of T fully live rows; up to one split per block when fewer are live.
+    per_token = default_splits(tokens, num_kv_heads, num_blocks)
+    most = max(per_token, min(_MAX_SPLITS, pl.next_power_of_2(num_blocks)))
+  elif splits < 1 or splits & (splits - 1):
     raise ValueError(f"splits must be a power of two, got {splits}")
+  else:
+    per_token = most = splits
+  programs = tokens * per_token
   rows = query_rows(group)
   # Triton blocks are powers of two: the page list is padded to one that holds any block
   # starting before its end.
@@ -176,6 +218,7 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
 
   seq_ids, positions = jnp.asarray(seq_ids), jnp.asarray(positions)
   valid = seq_ids >= 0
+  counts = live_splits(valid, programs, most)
   # Each token's page list, padded to the width, entries clipped to real pages (the masked
   # tail of a list may hold anything; a clipped id reads a real page, then masks it).
   table = jnp.clip(page_table[jnp.maximum(seq_ids, 0)], 0, num_pages - 1)
@@ -189,48 +232,62 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
     qg = q.reshape(tokens, num_kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
 
-  kernel = functools.partial(_kernel, pages_per_block=pages_per_block, splits=splits,
-                             window=window, softcap=softcap, scale=scale)
+  kernel = functools.partial(_kernel, pages_per_block=pages_per_block, window=window,
+                             softcap=softcap, scale=scale)
   # The same array twice: KV head k's keys are the k-th head_dim-wide block of a row, its
   # values the (K + k)-th.
-  keys_spec = pl.BlockSpec((num_pages, page_size, head_dim), lambda t, k, s: (0, 0, k))
+  keys_spec = pl.BlockSpec((num_pages, page_size, head_dim), lambda p, k: (0, 0, k))
   values_spec = pl.BlockSpec((num_pages, page_size, head_dim),
-                             lambda t, k, s: (0, 0, num_kv_heads + k))
+                             lambda p, k: (0, 0, num_kv_heads + k))
+  # The partial outputs by program, `most` rows more than the programs write: the merge
+  # loads that many from a token's first split (masked to its own, never past the end).
+  parts = programs + most
   o, m, l = pl.pallas_call(
       kernel,
-      grid=(tokens, num_kv_heads, splits),
-      in_specs=[pl.BlockSpec((None, None, rows, head_dim), lambda t, k, s: (t, k, 0, 0)),
+      grid=(programs, num_kv_heads),
+      in_specs=[pl.BlockSpec((2,), lambda p, k: (0,)),
+                pl.BlockSpec((tokens, None, rows, head_dim), lambda p, k: (0, k, 0, 0)),
                 keys_spec, values_spec,
-                pl.BlockSpec((None, width), lambda t, k, s: (t, 0)),
-                pl.BlockSpec((None, 2), lambda t, k, s: (t, 0))],
-      out_specs=[pl.BlockSpec((None, None, None, rows, head_dim),
-                              lambda t, k, s: (s, t, k, 0, 0)),
-                 pl.BlockSpec((None, None, None, rows), lambda t, k, s: (s, t, k, 0)),
-                 pl.BlockSpec((None, None, None, rows), lambda t, k, s: (s, t, k, 0))],
-      out_shape=[jax.ShapeDtypeStruct((splits, tokens, num_kv_heads, rows, head_dim),
-                                      jnp.float32),
-                 jax.ShapeDtypeStruct((splits, tokens, num_kv_heads, rows), jnp.float32),
-                 jax.ShapeDtypeStruct((splits, tokens, num_kv_heads, rows), jnp.float32)],
+                pl.BlockSpec((tokens, width), lambda p, k: (0, 0)),
+                pl.BlockSpec((tokens, 2), lambda p, k: (0, 0))],
+      out_specs=[pl.BlockSpec((None, None, rows, head_dim), lambda p, k: (p, k, 0, 0)),
+                 pl.BlockSpec((None, None, rows), lambda p, k: (p, k, 0)),
+                 pl.BlockSpec((None, None, rows), lambda p, k: (p, k, 0))],
+      out_shape=[jax.ShapeDtypeStruct((parts, num_kv_heads, rows, head_dim), jnp.float32),
+                 jax.ShapeDtypeStruct((parts, num_kv_heads, rows), jnp.float32),
+                 jax.ShapeDtypeStruct((parts, num_kv_heads, rows), jnp.float32)],
       interpret=interpret,
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       name="blink_paged_decode_attention",
-  )(qg, kv_pages, kv_pages, table, bounds)
+  )(counts, qg, kv_pages, kv_pages, table, bounds)
   # A power-of-two group is merged straight into the output's layout (the padding rows
   # are never read): no slicing kernel between the merge and the output projection.
   keep = group if group & (group - 1) == 0 else rows
-  out = merge_splits(o, m, l, q.dtype, keep=keep, interpret=interpret)
+  dims = _merge_dims(most, keep, head_dim)
+  out = pl.pallas_call(
+      functools.partial(_merge_live_kernel, most=most),
+      grid=(tokens, num_kv_heads, pl.cdiv(head_dim, dims)),
+      in_specs=[pl.BlockSpec((2,), lambda t, k, d: (0,)),
+                pl.BlockSpec((parts, None, keep, dims), lambda t, k, d: (0, k, 0, d)),
+                pl.BlockSpec((parts, None, keep), lambda t, k, d: (0, k, 0)),
+                pl.BlockSpec((parts, None, keep), lambda t, k, d: (0, k, 0))],
+      out_specs=pl.BlockSpec((None, None, keep, dims), lambda t, k, d: (t, k, 0, d)),
+      out_shape=jax.ShapeDtypeStruct((tokens, num_kv_heads, keep, head_dim), q.dtype),
+      interpret=interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      name="blink_paged_decode_merge",
+  )(counts, o, m, l)
   return out[:, :, :group].reshape(tokens, num_heads, head_dim)
 
 
-def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, dtype, *, keep: int | None = None,
+def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, dtype, *,
                  interpret: bool) -> jax.Array:
   """The splits' partial softmaxes o [S, B, K, R, h], m, l [S, B, K, R] -> the normalised
-  output [B, K, keep, h] in `dtype` (the first `keep` rows, a power of two; default R): one
-  more launch (XLA made three kernels of the same few jnp ops); each program takes a slice
-  of the head dims, so all splits fit its registers."""
-  splits, blocks, num_kv_heads, _, head_dim = o.shape
-  rows = o.shape[3] if keep is None else keep
-  dims = min(head_dim, max(16, _MERGE_ELEMENTS // (splits * rows)))
+  output [B, K, R, h] in `dtype` (the prefill kernel's; the decode kernel merges its own,
+  laid out by program): one more launch (XLA made three kernels of the same few jnp ops);
+  each program takes a slice of the head dims, so all splits fit its registers."""
+  splits, blocks, num_kv_heads, rows, head_dim = o.shape
+  dims = _merge_dims(splits, rows, head_dim)
   return pl.pallas_call(
       _merge_kernel,
       grid=(blocks, num_kv_heads, pl.cdiv(head_dim, dims)),
@@ -243,6 +300,21 @@ def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, dtype, *, keep: int |
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
       name="blink_paged_decode_merge",
   )(o, m, l)
+
+
+def live_splits(valid: jax.Array, programs: int, most: int) -> jax.Array:
+  """[2] int32: the rows up to the last live one (`valid` [T]) and each one's splits, as
+  many of `programs` as fit (a power of two, so at least half of the programs work), no more
+  than `most`."""
+  live = jnp.max(jnp.where(valid, jnp.arange(valid.shape[0], dtype=jnp.int32) + 1, 0))
+  fit = jnp.int32(programs) // jnp.maximum(live, 1)
+  share = jnp.minimum(jnp.left_shift(jnp.int32(1), 31 - lax.clz(fit)), most)
+  return jnp.stack([live, share]).astype(jnp.int32)
+
+
+def _merge_dims(splits: int, rows: int, head_dim: int) -> int:
+  """Head dims a merge program takes: all splits of its rows fit its registers."""
+  return min(head_dim, max(16, _MERGE_ELEMENTS // (splits * rows)))
 
 
 def kv_heads(num_heads: int, head_dim: int, kv_width: int) -> int:
