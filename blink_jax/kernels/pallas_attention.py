@@ -13,7 +13,7 @@ pages a block at a time with an online softmax (flash decoding) and writes a par
 the second merges each token's splits.
 
 Same signature and semantics as the reference (causal, optional sliding window, soft-cap,
-scale, GQA; padding rows produce finite garbage). Meant for steps with few tokens per
+scale, GQA; padding rows come out as zeros). Meant for steps with few tokens per
 sequence (decode): every token reads its whole context, so a 256-token prefill chunk would
 read it 256 times; steps of up to `KernelOptions.decode_rows` tokens run it
 (`blink_jax.kernels.select`).
@@ -58,13 +58,14 @@ def _kernel(counts_ref, q_ref, k_ref, v_ref, table_ref, bounds_ref, o_ref, m_ref
             pages_per_block: int, window: int | None, softcap: float | None, scale: float):
   """One (program, KV head): counts_ref [2] = (live rows, splits per row) for the step, so
   program p takes split p % splits of row p // splits, and programs past the live rows' do
-  nothing (the merge never reads their output). q_ref [T, G, h] (every row's query);
+  nothing (the merge never reads their output). q_ref [T, R, h] (every row's query, its
+  G query heads padded to R rows);
   k_ref, v_ref [P, page_size, h]; table_ref [T, W] (each row's page list, entries clipped to
   valid page ids, padded so any block starting before its end fits); bounds_ref [T, 2] =
   (position, first page to read). The blocks of pages that hold keys in [first page *
   page_size, position] are shared out evenly among the splits at run time, whatever the
-  context length. Writes the split's unnormalised output [G, h] and its softmax max and sum
-  [G]."""
+  context length. Writes the split's unnormalised output [R, h] and its softmax max and sum
+  [R]."""
   program = pl.program_id(0)
   live, splits = counts_ref[0], counts_ref[1]
   token, split = program // splits, program % splits
