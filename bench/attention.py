@@ -28,7 +28,6 @@ import functools
 import math
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -155,22 +154,6 @@ def attention_loop(attention, steps: int, **kw):
   return jax.jit(run)
 
 
-def energy(call, seconds: float, calls_per_call: int) -> dict:
-  """J per layer call of `call` run again and again for `seconds` under NVML's energy
-  counter, above the idle power; {} when seconds <= 0 or without the counter."""
-  counter = C.EnergyCounter()
-  if seconds <= 0 or counter.reason:
-    return {}
-  idle_w = C.idle_power()
-  t = time.perf_counter()
-  call()
-  calls = max(1, round(seconds / max(time.perf_counter() - t, 1e-6)))
-  with counter:
-    for _ in range(calls):
-      call()
-  return C.energy_per("layer", counter.joules, counter.seconds, calls * calls_per_call, idle_w)
-
-
 def inputs(cfg, case: Case, copies: int, seed: int = 0):
   """Random q [T, H, h] and `copies` caches [P, page_size, 2 K h] (keys, then values), bf16,
   as numpy (both variants start from the same values)."""
@@ -194,14 +177,9 @@ def measure_ours(cfg, case: Case, window: int | None, q_np, caches_np, steps: in
   args = (jnp.asarray(case.page_table), jnp.asarray(case.seq_ids), jnp.asarray(case.positions))
   out = jax.jit(functools.partial(attention, **kw))(q, caches[0], *args)
   f = attention_loop(attention, steps, **kw)
-  jax.block_until_ready(f(q, *args, *caches))  # compile + warm
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(f(q, *args, *caches))
-    times.append((time.perf_counter() - t) / (steps * len(caches)) * 1e6)
-  extra = energy(lambda: jax.block_until_ready(f(q, *args, *caches)), energy_s,
-                 steps * len(caches))
+  call = lambda: jax.block_until_ready(f(q, *args, *caches))  # noqa: E731
+  times = C.per_unit_us(call, repeats, steps * len(caches))  # after a first, compiling call
+  extra = C.repeated_energy(call, energy_s, steps * len(caches), "layer")
   return times, extra, np.asarray(out, np.float32).reshape(case.rows, cfg.num_heads, -1)
 
 
@@ -242,26 +220,9 @@ def measure_vllm(cfg, case: Case, window: int | None, q_np, caches_np, steps: in
         flash_attn_varlen_func(q=q, k=k, v=v, out=out, **meta)
         q[:1, :1, :1].copy_(out[:1, :1, :1] * 1e-3)
 
-  stream = torch.cuda.Stream()
-  stream.wait_stream(torch.cuda.current_stream())
-  with torch.cuda.stream(stream):
-    chain()  # FA3's buffers before the capture
-  torch.cuda.current_stream().wait_stream(stream)
-  graph = torch.cuda.CUDAGraph()
-  with torch.cuda.graph(graph):
-    chain()
-
-  def call():
-    graph.replay()
-    torch.cuda.synchronize()
-
-  call()
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    call()
-    times.append((time.perf_counter() - t) / (steps * len(caches)) * 1e6)
-  return times, energy(call, energy_s, steps * len(caches)), first
+  call = C.torch_graph(chain)  # FA3's buffers before the capture
+  times = C.per_unit_us(call, repeats, steps * len(caches))
+  return times, C.repeated_energy(call, energy_s, steps * len(caches), "layer"), first
 
 
 def measure(cfg, case: Case, layer: str, variant: str, steps: int, repeats: int,

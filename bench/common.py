@@ -418,6 +418,59 @@ def idle_power(key=None, seconds: float = 2.0) -> float | None:
   return _IDLE_POWER[key]
 
 
+def torch_graph(chain):
+  """`chain` (torch work on the GPU) captured in a CUDA graph after one run on a side
+  stream (so libraries' workspaces and heuristics are set up before the capture): a call
+  that replays it and waits. Off a GPU, `chain` itself."""
+  import torch
+  if not torch.cuda.is_available():
+    return chain
+  stream = torch.cuda.Stream()
+  stream.wait_stream(torch.cuda.current_stream())
+  with torch.cuda.stream(stream):
+    chain()
+  torch.cuda.current_stream().wait_stream(stream)
+  graph = torch.cuda.CUDAGraph()
+  with torch.cuda.graph(graph):
+    chain()
+
+  def call():
+    graph.replay()
+    torch.cuda.synchronize()
+  return call
+
+
+def per_unit_us(call, repeats: int, units: int) -> list[float]:
+  """Microseconds per unit of `call` (which runs `units` of them and waits), over
+  `repeats` calls after a first one."""
+  import time
+  call()
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    call()
+    times.append((time.perf_counter() - t) / units * 1e6)
+  return times
+
+
+def repeated_energy(call, seconds: float, units_per_call: int, unit: str) -> dict:
+  """J per `unit` of `call` (runs units_per_call of them and waits for them) run again and
+  again for `seconds` under NVML's energy counter, above the idle power (`idle_power`); {}
+  when seconds <= 0 or without the counter."""
+  import time
+  counter = EnergyCounter()
+  if seconds <= 0 or counter.reason:
+    return {}
+  idle_w = idle_power()
+  t = time.perf_counter()
+  call()
+  calls = max(1, round(seconds / max(time.perf_counter() - t, 1e-6)))
+  with counter:
+    for _ in range(calls):
+      call()
+  return energy_per(unit, counter.joules, counter.seconds, calls * units_per_call, idle_w)
+
+
 def energy_per(unit: str, joules: float, seconds: float, n: int,
                idle_w: float | None) -> dict:
   """`joules` over `seconds` spent on `n` units (steps, products): J per unit, the average

@@ -31,7 +31,6 @@ read it from L2). torch's side is the same chain of products captured in a CUDA 
 from __future__ import annotations
 
 import math
-import time
 
 import jax
 import jax.numpy as jnp
@@ -106,24 +105,6 @@ def product_loop(variant: str, splits: int | None, steps: int):
   return jax.jit(run)
 
 
-def energy(call, seconds: float, products_per_call: int) -> dict:
-  """J per product of `call` (runs products_per_call products and returns something to wait
-  on) run again and again for `seconds` under NVML's energy counter; above the idle power
-  measured over 2 s before the first point. {} when seconds <= 0 or without the counter."""
-  counter = C.EnergyCounter()
-  if seconds <= 0 or counter.reason:
-    return {}
-  idle_w = C.idle_power()
-  t = time.perf_counter()
-  call()
-  calls = max(1, round(seconds / max(time.perf_counter() - t, 1e-6)))
-  with counter:
-    for _ in range(calls):
-      call()
-  return C.energy_per("product", counter.joules, counter.seconds, calls * products_per_call,
-                      idle_w)
-
-
 def _row(projection, k, n, tokens, copies, variant, splits, times, extra) -> dict:
   row = {"projection": projection, "k": k, "n": n, "tokens": tokens, "copies": copies,
          "variant": variant, "splits": splits, **C.stats(times, "us"), **extra}
@@ -145,15 +126,11 @@ def measure(cfg, projection: str, variant: str, splits: int | None, steps: int,
   ws = [(jax.random.normal(key, (k, n), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
         for key in kw]
   f = product_loop(variant, splits, rounds)
-  jax.block_until_ready(f(x, *ws))  # compile + warm
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(f(x, *ws))
-    times.append((time.perf_counter() - t) / (rounds * copies) * 1e6)
+  call = lambda: jax.block_until_ready(f(x, *ws))  # noqa: E731
+  times = C.per_unit_us(call, repeats, rounds * copies)  # after a first, compiling call
   gemv = variant in GEMV_VARIANTS
   extra = {"auto_splits": splits is None and gemv,
-           **energy(lambda: jax.block_until_ready(f(x, *ws)), energy_s, rounds * copies)}
+           **C.repeated_energy(call, energy_s, rounds * copies, "product")}
   return _row(projection, k, n, tokens, copies, variant,
               (cuda_gemv.default_splits(k, n) if splits is None else splits) if gemv else None,
               times, extra)
@@ -177,28 +154,10 @@ def torch_measure(projection: str, k: int, n: int, tokens: int, copies: int, rou
         y = F.linear(x, w)
         x[:1, :1].copy_(y[:1, :1] * 1e-3)
 
-  if device == "cuda":
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-      chain()  # cuBLAS' workspace and heuristics before the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-      chain()
-
-    def call():
-      graph.replay()
-      torch.cuda.synchronize()
-  else:
-    call = chain
-  call()
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    call()
-    times.append((time.perf_counter() - t) / (rounds * copies) * 1e6)
-  extra = {"auto_splits": False, **energy(call, energy_s, rounds * copies)}
+  call = C.torch_graph(chain)  # cuBLAS' workspace and heuristics before the capture
+  times = C.per_unit_us(call, repeats, rounds * copies)
+  extra = {"auto_splits": False,
+           **C.repeated_energy(call, energy_s, rounds * copies, "product")}
   return _row(projection, k, n, tokens, copies, "torch", None, times, extra)
 
 
