@@ -38,7 +38,8 @@ from jax import lax
 from bench import common as C
 from bench.step import step_rows
 from blink_jax.executor import xla_flags
-from blink_jax.kernels.select import step_kernels
+from blink_jax.kernels import pallas_prefill
+from blink_jax.kernels.select import head_then_rest, step_kernels
 from blink_jax.model.config import get_config, tiny_config
 
 FLAGS = flags.FLAGS
@@ -55,6 +56,9 @@ def define_flags():
   flags.DEFINE_integer("context", 1024, "context of every decoding sequence")
   flags.DEFINE_integer("page_size", 16, "tokens per KV page (vLLM's block size)")
   flags.DEFINE_list("variants", list(VARIANTS), f"whose attention: {list(VARIANTS)}")
+  flags.DEFINE_list("prefill_configs", [], "more rows of ours for the mixed steps, the "
+                    "prefill kernel at other settings: R:W:S = query rows a program, Triton "
+                    "warps, pipeline stages (the engine's: 64:4:2)")
   flags.DEFINE_string("vllm_path", os.environ.get("VLLM_SITE", "/tmp/vllm/site"),
                       "vLLM's site-packages (bench/vllm_install.sh unpacks them there)")
   flags.DEFINE_integer("kv_mb", 256, "MiB of distinct K/V caches each loop reads in turn")
@@ -114,18 +118,39 @@ def copies_for(case: Case, cache_row_bytes: int, kv_mb: int) -> int:
   return max(1, math.ceil(kv_mb * 2**20 / per))
 
 
-def our_attention(cfg, rows: int, options):
+def our_attention(cfg, rows: int, options, prefill: dict | None = None):
   """The engine's attention for a step of `rows` rows (`select.step_kernels` with
   KernelOptions `options` resolved on this device) and the group size if it takes the query
   grouped by KV head and padded (the decode kernel does when the q/k prepare kernel writes
-  it so), else None."""
+  it so), else None. prefill: the prefill kernel's settings instead of its defaults
+  (`pallas_prefill.paged_prefill_attention`'s block_rows, num_warps, num_stages)."""
   platform = jax.devices()[0].platform
   kernels = step_kernels(cfg, options.resolved(platform), rows, interpret=platform != "gpu")
-  if kernels.attention is None:
+  attention = kernels.attention
+  if attention is None:
     from blink_jax.model.attention import paged_attention_reference
-    return paged_attention_reference, None
-  group = getattr(kernels.attention, "keywords", {}).get("group")
-  return kernels.attention, group
+    attention = paged_attention_reference
+  if prefill:
+    attention = with_prefill(attention, prefill)
+  return attention, getattr(attention, "keywords", {}).get("group")
+
+
+def with_prefill(attention, settings: dict):
+  """select's attention of a prefill-sized step (the prefill kernel, or the decode head
+  then the prefill kernel) with the prefill kernel at `settings`."""
+  func = getattr(attention, "func", None)
+  if func is pallas_prefill.paged_prefill_attention:
+    return functools.partial(attention, **settings)
+  if func is head_then_rest:
+    rest = functools.partial(attention.keywords["rest_fn"], **settings)
+    return functools.partial(attention, rest_fn=rest)
+  raise ValueError(f"this step's attention runs no Pallas prefill kernel: {attention}")
+
+
+def prefill_settings(spec: str) -> dict:
+  """R:W:S -> the prefill kernel's block_rows, num_warps, num_stages."""
+  rows, warps, stages = (int(x) for x in spec.split(":"))
+  return {"block_rows": rows, "num_warps": warps, "num_stages": stages}
 
 
 def grouped_query(q: jax.Array, group: int | None, num_kv_heads: int) -> jax.Array:
@@ -166,10 +191,10 @@ def inputs(cfg, case: Case, copies: int, seed: int = 0):
 
 
 def measure_ours(cfg, case: Case, window: int | None, q_np, caches_np, steps: int,
-                 repeats: int, energy_s: float, options):
+                 repeats: int, energy_s: float, options, prefill=None):
   """Our times, energy and the first cache's output ([T, H, h] float32, for the
   comparison)."""
-  attention, group = our_attention(cfg, case.rows, options)
+  attention, group = our_attention(cfg, case.rows, options, prefill)
   kw = dict(window=window, softcap=cfg.attn_logit_softcap,
             scale=cfg.query_pre_attn_scalar**-0.5)
   q = grouped_query(jnp.asarray(q_np, jnp.bfloat16), group, cfg.num_kv_heads)
@@ -184,7 +209,7 @@ def measure_ours(cfg, case: Case, window: int | None, q_np, caches_np, steps: in
 
 
 def measure_vllm(cfg, case: Case, window: int | None, q_np, caches_np, steps: int,
-                 repeats: int, energy_s: float, options=None):
+                 repeats: int, energy_s: float):
   """vLLM's FlashAttention 3 on the same values: varlen queries by sequence run, each
   sequence's keys up to its last row through its block table, causal, vLLM's window
   (window - 1 keys back, none ahead); FA3's own split heuristics (num_splits 0), captured in
@@ -227,11 +252,12 @@ def measure_vllm(cfg, case: Case, window: int | None, q_np, caches_np, steps: in
 
 def measure(cfg, case: Case, layer: str, variant: str, steps: int, repeats: int,
             kv_mb: int = 0, energy_s: float = 0.0, against=None,
-            options=None) -> tuple[dict, np.ndarray]:
+            options=None, prefill: str | None = None) -> tuple[dict, np.ndarray]:
   """One point: us per layer call (median of `repeats` loops), the K/V bytes the layer
   must read and the TB/s that makes, J per call; `against` (another variant's output on
   the same values) gives the largest difference between the two. options: our
-  KernelOptions (default: KernelOptions())."""
+  KernelOptions (default: KernelOptions()); prefill: ours with the prefill kernel at R:W:S
+  (`prefill_settings`)."""
   if options is None:
     from blink_jax.engine_config import KernelOptions
     options = KernelOptions()
@@ -239,11 +265,15 @@ def measure(cfg, case: Case, layer: str, variant: str, steps: int, repeats: int,
   row_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * 2  # a key and a value, bf16
   copies = copies_for(case, row_bytes, kv_mb)
   q, caches = inputs(cfg, case, copies)
-  fn = measure_ours if variant == "ours" else measure_vllm
-  times, extra, out = fn(cfg, case, window, q, caches, steps, repeats, energy_s, options)
+  if variant == "ours":
+    times, extra, out = measure_ours(cfg, case, window, q, caches, steps, repeats, energy_s,
+                                     options, prefill and prefill_settings(prefill))
+  else:
+    times, extra, out = measure_vllm(cfg, case, window, q, caches, steps, repeats, energy_s)
   kv_bytes = case.keys_read(window) * row_bytes
   row = {"case": case.name, "kind": case.kind, "batch": case.n_seqs, "rows": case.rows,
-         "context": case.context, "layer": layer, "window": window, "variant": variant,
+         "context": case.context, "layer": layer, "window": window,
+         "variant": variant if not prefill else f"{variant} {prefill}",
          "copies": copies, **C.stats(times, "us"), "kv_bytes": kv_bytes, **extra}
   row["kv_tb_per_s"] = kv_bytes / (row["us_median"] * 1e-6) / 1e12
   if against is not None:
@@ -278,25 +308,31 @@ def main(argv):
   counts = layer_counts(cfg)
   rows = []
   for case in cases:
+    # ours first (the others' outputs are compared with it), then ours with each prefill
+    # setting (a mixed step's prompt rows run the prefill kernel), then vLLM's.
+    points = [(v, None) for v in FLAGS.variants if v == "ours"]
+    if case.kind == "mixed" and "ours" in FLAGS.variants:
+      points += [("ours", spec) for spec in FLAGS.prefill_configs]
+    points += [(v, None) for v in FLAGS.variants if v != "ours"]
     per_step = {}
     for layer in ("local", "global"):
       ours = None
-      for variant in FLAGS.variants:
+      for variant, prefill in points:
+        name = variant if prefill is None else f"{variant} {prefill}"
         try:
           row, out = measure(cfg, case, layer, variant, FLAGS.steps, FLAGS.repeats,
                              FLAGS.kv_mb, FLAGS.energy_s, against=ours,
-                             options=C.kernel_options())
+                             options=C.kernel_options(), prefill=prefill)
         except Exception as e:  # noqa: BLE001 - the peer's side fails alone, on the record
-          if variant == "ours":
+          if name == "ours":
             raise
-          print(f"{case.name:12s} {layer:6s} {variant:5s} failed: {e!r}", flush=True)
-          rows.append({"case": case.name, "layer": layer, "variant": variant,
-                       "error": repr(e)})
+          print(f"{case.name:12s} {layer:6s} {name:5s} failed: {e!r}", flush=True)
+          rows.append({"case": case.name, "layer": layer, "variant": name, "error": repr(e)})
           continue
-        ours = out if variant == "ours" else ours
+        ours = out if name == "ours" else ours
         rows.append(row)
-        per_step[variant] = per_step.get(variant, 0.0) + counts[layer] * row["us_median"]
-        print(f"{case.name:12s} {layer:6s} {variant:5s} {row['us_median']:8.2f} us "
+        per_step[name] = per_step.get(name, 0.0) + counts[layer] * row["us_median"]
+        print(f"{case.name:12s} {layer:6s} {name:5s} {row['us_median']:8.2f} us "
               f"[{row['us_min']:.2f}-{row['us_max']:.2f}] {row['kv_tb_per_s']:5.2f} TB/s of "
               f"{row['kv_bytes'] / 2**20:.1f} MiB"
               + (f", {1e6 * row['energy_above_idle_per_layer_j']:.1f} uJ above idle"

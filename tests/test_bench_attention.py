@@ -56,3 +56,19 @@ def test_our_row_is_the_reference_attention():
       again, _ = A.measure(cfg, case, layer, "ours", steps=1, repeats=1, options=options,
                            against=out)
       assert again["max_abs_diff"] == 0.0  # the same values, the same kernels
+
+
+def test_prefill_settings_reach_the_prefill_kernel():
+  """--prefill_configs R:W:S: a mixed step's attention (the decode head, then the prefill
+  kernel) with the prefill kernel at those settings, the same output."""
+  cfg = tiny_config("gemma3")
+  options = KernelOptions(attention="pallas", prefill="pallas", norm="pallas", decode_rows=8)
+  assert A.prefill_settings("128:8:3") == {"block_rows": 128, "num_warps": 8, "num_stages": 3}
+  attention, group = A.our_attention(cfg, 24, options, A.prefill_settings("32:4:3"))
+  assert group is None and attention.keywords["rest_fn"].keywords["block_rows"] == 32
+  case = A.Case("mixed", 2, context=40, tokens=24, prompt=8, page_size=4)
+  base, out = A.measure(cfg, case, "local", "ours", steps=1, repeats=1, options=options)
+  row, _ = A.measure(cfg, case, "local", "ours", steps=1, repeats=1, options=options,
+                     prefill="32:4:3", against=out)
+  assert row["variant"] == "ours 32:4:3" and base["variant"] == "ours"
+  assert row["max_abs_diff"] < 1e-2

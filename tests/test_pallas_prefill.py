@@ -139,6 +139,7 @@ def test_segments_are_the_runs_of_each_block():
   np.testing.assert_array_equal(segments[1][0], [-1, -1, -1, -1])  # padding: no segment
   np.testing.assert_array_equal(run, [[0, 0, 1, 1], [0, 0, 0, 0]])
   assert block_tokens(4) == 16 and block_tokens(1) == 64 and block_tokens(8) == 8
+  assert block_tokens(4, 128) == 32 and block_tokens(16, 32) == 2
 
 
 def test_lowers_to_a_triton_kernel_for_cuda():
@@ -151,6 +152,12 @@ def test_lowers_to_a_triton_kernel_for_cuda():
                                                            scale=0.0625, interpret=False),
                         *shapes)
   check_triton_calls(text, 2, (16, 1, 16))
+  # 128 rows a program (32 tokens) at 8 warps, 3 stages: 8 blocks.
+  text = lower_for_cuda(lambda *a: paged_prefill_attention(
+      *a, window=512, softcap=None, scale=0.0625, block_rows=128, num_warps=8, num_stages=3,
+      interpret=False), *shapes)
+  check_triton_calls(text, 2, (8, 1, 32))
+  assert "num_warps = 8" in text
 
 
 @pytest.mark.gpu

@@ -46,9 +46,9 @@ def prefill_pages_per_block(kv_pages: jax.Array, head_dim: int, rows: int) -> in
   return max(fit, pl.next_power_of_2(pl.cdiv(16, page_size)))
 
 
-def block_tokens(group: int) -> int:
-  """Tokens per program for `group` query heads per KV head."""
-  return max(1, _TARGET_ROWS // pl.next_power_of_2(group))
+def block_tokens(group: int, rows: int = _TARGET_ROWS) -> int:
+  """Tokens per program for `group` query heads per KV head, `rows` query rows a program."""
+  return max(1, rows // pl.next_power_of_2(group))
 
 
 def _kernel(q_ref, k_ref, v_ref, table_ref, row_pos_ref, row_run_ref, seg_ref, o_ref, m_ref,
@@ -128,24 +128,28 @@ def _segments(seq: jax.Array, first: jax.Array,
 
 
 @functools.partial(jax.jit, static_argnames=("window", "softcap", "scale", "pages_per_block",
-                                             "splits", "interpret"))
+                                             "splits", "block_rows", "num_warps", "num_stages",
+                                             "interpret"))
 def paged_prefill_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array,
                             seq_ids: jax.Array, positions: jax.Array, *, window: int | None,
                             softcap: float | None, scale: float,
                             pages_per_block: int | None = None, splits: int | None = None,
-                            interpret: bool | None = None) -> jax.Array:
+                            block_rows: int = _TARGET_ROWS, num_warps: int = 4,
+                            num_stages: int = 2, interpret: bool | None = None) -> jax.Array:
   """Attention of each token q [T, H, h] over its sequence's cached keys, read in place from
   kv_pages [P, page_size, 2 * K * h] (see `attention.paged_attention_reference`), tokens
-  taken `block_tokens(G)` at a time. pages_per_block, splits, interpret: as
+  taken `block_tokens(G, block_rows)` at a time. pages_per_block, splits, interpret: as
   `pallas_attention.paged_decode_attention` (splits: programs that share each block's
-  pages; default from the number of blocks)."""
+  pages; default from the number of blocks). block_rows, num_warps, num_stages: a
+  program's query rows and Triton's warps and pipeline stages (the defaults are the
+  engine's; `bench.attention --prefill_configs` times others)."""
   if interpret is None:
     interpret = jax.devices()[0].platform != "gpu"
   tokens, num_heads, head_dim = q.shape
   num_pages, page_size, kv_width = kv_pages.shape
   num_kv = kv_heads(num_heads, head_dim, kv_width)
   group = num_heads // num_kv
-  per_block = block_tokens(group)
+  per_block = block_tokens(group, block_rows)
   blocks = pl.cdiv(tokens, per_block)
   rows = max(16, pl.next_power_of_2(per_block * group))
   if pages_per_block is None:
@@ -193,7 +197,7 @@ def paged_prefill_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.A
                  jax.ShapeDtypeStruct((splits, blocks, num_kv, rows), jnp.float32),
                  jax.ShapeDtypeStruct((splits, blocks, num_kv, rows), jnp.float32)],
       interpret=interpret,
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       name="blink_paged_prefill_attention",
   )(qg, kv_pages, kv_pages, table, row_pos, row_run, segments)
   out = merge_splits(o, m, l, q.dtype, interpret=interpret)[:, :, :per_block * group]
