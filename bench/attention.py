@@ -38,7 +38,7 @@ from jax import lax
 from bench import common as C
 from bench.step import step_rows
 from blink_jax.executor import xla_flags
-from blink_jax.kernels import pallas_prefill
+from blink_jax.kernels import pallas_attention, pallas_prefill
 from blink_jax.kernels.select import head_then_rest, step_kernels
 from blink_jax.model.config import get_config, tiny_config
 
@@ -59,6 +59,9 @@ def define_flags():
   flags.DEFINE_list("prefill_configs", [], "more rows of ours for the mixed steps, the "
                     "prefill kernel at other settings: R:W:S = query rows a program, Triton "
                     "warps, pipeline stages (the engine's: 64:4:2)")
+  flags.DEFINE_list("decode_configs", [], "more rows of ours for the decode steps, the "
+                    "decode kernel at other settings: P:W:S = pages a block (0: its default), "
+                    "Triton warps, pipeline stages (the engine's: 0:4:2)")
   flags.DEFINE_string("vllm_path", os.environ.get("VLLM_SITE", "/tmp/vllm/site"),
                       "vLLM's site-packages (bench/vllm_install.sh unpacks them there)")
   flags.DEFINE_integer("kv_mb", 256, "MiB of distinct K/V caches each loop reads in turn")
@@ -118,39 +121,47 @@ def copies_for(case: Case, cache_row_bytes: int, kv_mb: int) -> int:
   return max(1, math.ceil(kv_mb * 2**20 / per))
 
 
-def our_attention(cfg, rows: int, options, prefill: dict | None = None):
+def our_attention(cfg, rows: int, options, settings: dict | None = None):
   """The engine's attention for a step of `rows` rows (`select.step_kernels` with
   KernelOptions `options` resolved on this device) and the group size if it takes the query
   grouped by KV head and padded (the decode kernel does when the q/k prepare kernel writes
-  it so), else None. prefill: the prefill kernel's settings instead of its defaults
-  (`pallas_prefill.paged_prefill_attention`'s block_rows, num_warps, num_stages)."""
+  it so), else None. settings: the step's Pallas kernel at other settings (a decode step's
+  decode kernel, `decode_settings`; a prefill-sized step's prefill kernel,
+  `prefill_settings`)."""
   platform = jax.devices()[0].platform
   kernels = step_kernels(cfg, options.resolved(platform), rows, interpret=platform != "gpu")
   attention = kernels.attention
   if attention is None:
     from blink_jax.model.attention import paged_attention_reference
     attention = paged_attention_reference
-  if prefill:
-    attention = with_prefill(attention, prefill)
+  if settings:
+    attention = with_settings(attention, settings)
   return attention, getattr(attention, "keywords", {}).get("group")
 
 
-def with_prefill(attention, settings: dict):
-  """select's attention of a prefill-sized step (the prefill kernel, or the decode head
-  then the prefill kernel) with the prefill kernel at `settings`."""
+def with_settings(attention, settings: dict):
+  """select's attention with its Pallas kernel at `settings`: the decode kernel of a decode
+  step, the prefill kernel of a prefill-sized one (alone or after the decode head)."""
   func = getattr(attention, "func", None)
-  if func is pallas_prefill.paged_prefill_attention:
+  if func in (pallas_attention.paged_decode_attention,
+              pallas_prefill.paged_prefill_attention):
     return functools.partial(attention, **settings)
   if func is head_then_rest:
     rest = functools.partial(attention.keywords["rest_fn"], **settings)
     return functools.partial(attention, rest_fn=rest)
-  raise ValueError(f"this step's attention runs no Pallas prefill kernel: {attention}")
+  raise ValueError(f"this step's attention runs no Pallas kernel: {attention}")
 
 
 def prefill_settings(spec: str) -> dict:
   """R:W:S -> the prefill kernel's block_rows, num_warps, num_stages."""
   rows, warps, stages = (int(x) for x in spec.split(":"))
   return {"block_rows": rows, "num_warps": warps, "num_stages": stages}
+
+
+def decode_settings(spec: str) -> dict:
+  """P:W:S -> the decode kernel's pages_per_block (0: its default), num_warps, num_stages."""
+  pages, warps, stages = (int(x) for x in spec.split(":"))
+  return {"pages_per_block": pages or None, "num_warps": warps, "num_stages": stages}
 
 
 def grouped_query(q: jax.Array, group: int | None, num_kv_heads: int) -> jax.Array:
@@ -191,10 +202,10 @@ def inputs(cfg, case: Case, copies: int, seed: int = 0):
 
 
 def measure_ours(cfg, case: Case, window: int | None, q_np, caches_np, steps: int,
-                 repeats: int, energy_s: float, options, prefill=None):
+                 repeats: int, energy_s: float, options, settings=None):
   """Our times, energy and the first cache's output ([T, H, h] float32, for the
   comparison)."""
-  attention, group = our_attention(cfg, case.rows, options, prefill)
+  attention, group = our_attention(cfg, case.rows, options, settings)
   kw = dict(window=window, softcap=cfg.attn_logit_softcap,
             scale=cfg.query_pre_attn_scalar**-0.5)
   q = grouped_query(jnp.asarray(q_np, jnp.bfloat16), group, cfg.num_kv_heads)
@@ -252,12 +263,12 @@ def measure_vllm(cfg, case: Case, window: int | None, q_np, caches_np, steps: in
 
 def measure(cfg, case: Case, layer: str, variant: str, steps: int, repeats: int,
             kv_mb: int = 0, energy_s: float = 0.0, against=None,
-            options=None, prefill: str | None = None) -> tuple[dict, np.ndarray]:
+            options=None, config: str | None = None) -> tuple[dict, np.ndarray]:
   """One point: us per layer call (median of `repeats` loops), the K/V bytes the layer
   must read and the TB/s that makes, J per call; `against` (another variant's output on
   the same values) gives the largest difference between the two. options: our
-  KernelOptions (default: KernelOptions()); prefill: ours with the prefill kernel at R:W:S
-  (`prefill_settings`)."""
+  KernelOptions (default: KernelOptions()); config: ours with the step's kernel at other
+  settings (a decode step's `decode_settings`, a mixed step's `prefill_settings`)."""
   if options is None:
     from blink_jax.engine_config import KernelOptions
     options = KernelOptions()
@@ -266,14 +277,15 @@ def measure(cfg, case: Case, layer: str, variant: str, steps: int, repeats: int,
   copies = copies_for(case, row_bytes, kv_mb)
   q, caches = inputs(cfg, case, copies)
   if variant == "ours":
+    settings = config and (decode_settings if case.kind == "decode" else prefill_settings)(config)
     times, extra, out = measure_ours(cfg, case, window, q, caches, steps, repeats, energy_s,
-                                     options, prefill and prefill_settings(prefill))
+                                     options, settings)
   else:
     times, extra, out = measure_vllm(cfg, case, window, q, caches, steps, repeats, energy_s)
   kv_bytes = case.keys_read(window) * row_bytes
   row = {"case": case.name, "kind": case.kind, "batch": case.n_seqs, "rows": case.rows,
          "context": case.context, "layer": layer, "window": window,
-         "variant": variant if not prefill else f"{variant} {prefill}",
+         "variant": variant if not config else f"{variant} {config}",
          "copies": copies, **C.stats(times, "us"), "kv_bytes": kv_bytes, **extra}
   row["kv_tb_per_s"] = kv_bytes / (row["us_median"] * 1e-6) / 1e12
   if against is not None:
@@ -308,21 +320,23 @@ def main(argv):
   counts = layer_counts(cfg)
   rows = []
   for case in cases:
-    # ours first (the others' outputs are compared with it), then ours with each prefill
-    # setting (a mixed step's prompt rows run the prefill kernel), then vLLM's.
+    # ours first (the others' outputs are compared with it), then ours with its kernel at
+    # each other setting (a decode step's decode kernel, a mixed step's prefill kernel),
+    # then vLLM's.
     points = [(v, None) for v in FLAGS.variants if v == "ours"]
-    if case.kind == "mixed" and "ours" in FLAGS.variants:
-      points += [("ours", spec) for spec in FLAGS.prefill_configs]
+    if "ours" in FLAGS.variants:
+      configs = FLAGS.decode_configs if case.kind == "decode" else FLAGS.prefill_configs
+      points += [("ours", spec) for spec in configs]
     points += [(v, None) for v in FLAGS.variants if v != "ours"]
     per_step = {}
     for layer in ("local", "global"):
       ours = None
-      for variant, prefill in points:
-        name = variant if prefill is None else f"{variant} {prefill}"
+      for variant, config in points:
+        name = variant if config is None else f"{variant} {config}"
         try:
           row, out = measure(cfg, case, layer, variant, FLAGS.steps, FLAGS.repeats,
                              FLAGS.kv_mb, FLAGS.energy_s, against=ours,
-                             options=C.kernel_options(), prefill=prefill)
+                             options=C.kernel_options(), config=config)
         except Exception as e:  # noqa: BLE001 - the peer's side fails alone, on the record
           if name == "ours":
             raise

@@ -443,7 +443,6 @@ def torch_graph(chain):
 def per_unit_us(call, repeats: int, units: int) -> list[float]:
   """Microseconds per unit of `call` (which runs `units` of them and waits), over
   `repeats` calls after a first one."""
-  import time
   call()
   times = []
   for _ in range(repeats):
@@ -457,7 +456,6 @@ def repeated_energy(call, seconds: float, units_per_call: int, unit: str) -> dic
   """J per `unit` of `call` (runs units_per_call of them and waits for them) run again and
   again for `seconds` under NVML's energy counter, above the idle power (`idle_power`); {}
   when seconds <= 0 or without the counter."""
-  import time
   counter = EnergyCounter()
   if seconds <= 0 or counter.reason:
     return {}

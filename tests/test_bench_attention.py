@@ -58,9 +58,10 @@ def test_our_row_is_the_reference_attention():
       assert again["max_abs_diff"] == 0.0  # the same values, the same kernels
 
 
-def test_prefill_settings_reach_the_prefill_kernel():
+def test_kernel_settings_reach_the_kernels():
   """--prefill_configs R:W:S: a mixed step's attention (the decode head, then the prefill
-  kernel) with the prefill kernel at those settings, the same output."""
+  kernel) with the prefill kernel at those settings, the same output; --decode_configs
+  P:W:S the decode kernel's of a decode step."""
   cfg = tiny_config("gemma3")
   options = KernelOptions(attention="pallas", prefill="pallas", norm="pallas", decode_rows=8)
   assert A.prefill_settings("128:8:3") == {"block_rows": 128, "num_warps": 8, "num_stages": 3}
@@ -69,6 +70,15 @@ def test_prefill_settings_reach_the_prefill_kernel():
   case = A.Case("mixed", 2, context=40, tokens=24, prompt=8, page_size=4)
   base, out = A.measure(cfg, case, "local", "ours", steps=1, repeats=1, options=options)
   row, _ = A.measure(cfg, case, "local", "ours", steps=1, repeats=1, options=options,
-                     prefill="32:4:3", against=out)
+                     config="32:4:3", against=out)
   assert row["variant"] == "ours 32:4:3" and base["variant"] == "ours"
   assert row["max_abs_diff"] < 1e-2
+  assert A.decode_settings("0:8:3") == {"pages_per_block": None, "num_warps": 8,
+                                         "num_stages": 3}
+  attention, group = A.our_attention(cfg, 4, options, A.decode_settings("2:4:2"))
+  assert group == 2 and attention.keywords["pages_per_block"] == 2
+  decode = A.Case("decode", 4, context=40, page_size=4)
+  _, out = A.measure(cfg, decode, "global", "ours", steps=1, repeats=1, options=options)
+  row, _ = A.measure(cfg, decode, "global", "ours", steps=1, repeats=1, options=options,
+                     config="2:4:2", against=out)
+  assert row["variant"] == "ours 2:4:2" and row["max_abs_diff"] < 1e-2

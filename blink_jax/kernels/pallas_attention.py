@@ -156,12 +156,14 @@ def default_splits(tokens: int, num_kv_heads: int, num_blocks: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("window", "softcap", "scale", "pages_per_block",
-                                             "splits", "group", "interpret"))
+                                             "splits", "group", "num_warps", "num_stages",
+                                             "interpret"))
 def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array,
                            seq_ids: jax.Array, positions: jax.Array, *, window: int | None,
                            softcap: float | None, scale: float,
                            pages_per_block: int | None = None, splits: int | None = None,
-                           group: int | None = None, interpret: bool | None = None):
+                           group: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                           interpret: bool | None = None):
   """Attention of each token q [T, H, h] over its sequence's cached keys, read in place from
   kv_pages [P, page_size, 2 * K * h] (see `attention.paged_attention_reference`). q may
   also come grouped by KV head and padded, [T, K, query_rows(G), h] with `group` = G query
@@ -177,7 +179,9 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
   such as the decode head of a mixed step (`select.head_then_rest`: 256 rows, often a few
   dozen live), spreads each context over several programs instead of walking it in one
   (docs/PERFORMANCE.md, "Pacing that holds while requests keep arriving, against vLLM at 4,
-  16 and 32 req/s (revision d27bbfa)"). interpret: run the
+  16 and 32 req/s (revision d27bbfa)"). num_warps, num_stages: Triton's warps and pipeline
+  stages of the attention kernel (the defaults are the engine's; `bench.attention
+  --decode_configs` times others). interpret: run the
   kernels with Pallas' interpreter (default: when the default device is not a GPU; pass it
   explicitly when computing on another device)."""
   if interpret is None:
@@ -258,7 +262,7 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
                  jax.ShapeDtypeStruct((parts, num_kv_heads, rows), jnp.float32),
                  jax.ShapeDtypeStruct((parts, num_kv_heads, rows), jnp.float32)],
       interpret=interpret,
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       name="blink_paged_decode_attention",
   )(counts, qg, kv_pages, kv_pages, table, bounds)
   # A power-of-two group is merged straight into the output's layout (the padding rows
