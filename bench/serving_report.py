@@ -115,13 +115,24 @@ def serving_table(docs: dict, shape: str) -> list[str]:
   return out
 
 
+def _ratio(ours: dict, theirs: dict, key: str) -> str:
+  """ours[key] / theirs[key] as '1.23x', '-' where either lacks it."""
+  if not ours.get(key) or not theirs.get(key):
+    return "-"
+  return f"{ours[key] / theirs[key]:.2f}x"
+
+
 def vs_vllm(docs: dict, shape: str, server: str = "persistent",
             vllm_run: str | None = None) -> list[str]:
   """vLLM's figure over ours (>1: ours better) at each rate and run, beside Blink's best;
-  each run against vLLM's run of the same name, or against `vllm_run`."""
+  each run against vLLM's run of the same name, or against `vllm_run`. The energy per token
+  above idle is the steps per output token times the energy of a busy step above idle: the
+  last two columns are those two, ours over vLLM's (docs/PERFORMANCE.md, "Where a served
+  step's energy goes (revision faba37c)")."""
   out = [f"| rate | run | P99 TTFT (vLLM / {NAMES[server]}) | P99 TPOT | out tok/s "
-         f"({NAMES[server]} / vLLM) | J / token saved (1 - ours / vLLM's) |",
-         "| --- | --- | --- | --- | --- | --- |"]
+         f"({NAMES[server]} / vLLM) | J / token saved (1 - ours / vLLM's) "
+         f"| steps / token (ours / vLLM's) | J per busy step above idle (ours / vLLM's) |",
+         "| --- | --- | --- | --- | --- | --- | --- | --- |"]
   for (s, srv, run), doc in sorted(docs.items()):
     if s != shape or srv != server or run == "single":
       continue
@@ -134,10 +145,12 @@ def vs_vllm(docs: dict, shape: str, server: str = "persistent",
                 if r.get("energy_per_token_j") and v.get("energy_per_token_j") else "-")
       out.append(f"| {label} | {run} | {v['ttft_ms_p99'] / r['ttft_ms_p99']:.2f}x "
                  f"| {v['tpot_ms_p99'] / r['tpot_ms_p99']:.2f}x "
-                 f"| {r['output_throughput'] / v['output_throughput']:.2f}x | {energy} |")
+                 f"| {r['output_throughput'] / v['output_throughput']:.2f}x | {energy} "
+                 f"| {_ratio(r, v, 'device_steps_per_output_token')} "
+                 f"| {_ratio(r, v, 'busy_energy_above_idle_per_step_j')} |")
   out.append(f"| Blink's paper | best | {BLINK_HEADLINE['p99_ttft']} | "
              f"{BLINK_HEADLINE['p99_tpot']} | {BLINK_HEADLINE['throughput']} | "
-             f"{BLINK_HEADLINE['energy']} |")
+             f"{BLINK_HEADLINE['energy']} | - | - |")
   return out
 
 

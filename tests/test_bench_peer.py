@@ -112,11 +112,18 @@ def test_serving_report_puts_the_servers_side_by_side(tmp_path):
                                        "quiet", "s49_quiet", "quiet", None, None, None]
   ratios = SR.vs_vllm(docs, "gemma3-1b")
   # vLLM's P99 over ours (>1: ours lower), our tokens/s over vLLM's, energy saved.
-  assert "| 8 | quiet | 0.50x | 2.00x | 1.50x | +50 % |" in ratios
-  assert "| 8 | int32 | 1.82x | 9.09x | 3.00x | +50 % |" in ratios
+  assert "| 8 | quiet | 0.50x | 2.00x | 1.50x | +50 % | - | - |" in ratios
+  assert "| 8 | int32 | 1.82x | 9.09x | 3.00x | +50 % | - | - |" in ratios
   # A lease's variants (TAG=f20: run f20_quiet) against its one vLLM run.
   docs[("gemma3-1b", "persistent", "f20_quiet")] = doc(2900, 120, 3.0, 0.08)
   ratios = SR.vs_vllm(docs, "gemma3-1b", vllm_run="quiet")
-  assert "| 8 | f20_quiet | 0.42x | 1.33x | 1.45x | +20 % |" in ratios
-  assert "| 8 | int32 | 0.45x | 1.82x | 1.50x | +50 % |" in ratios
+  assert "| 8 | f20_quiet | 0.42x | 1.33x | 1.45x | +20 % | - | - |" in ratios
+  assert "| 8 | int32 | 0.45x | 1.82x | 1.50x | +50 % | - | - |" in ratios
+  # The energy gap split: steps per token and J per busy step, ours over vLLM's.
+  for key, ours, theirs in (("device_steps_per_output_token", 0.02, 0.025),
+                            ("busy_energy_above_idle_per_step_j", 0.9, 0.75)):
+    docs[("gemma3-1b", "persistent", "f20_quiet")]["results"][0][key] = ours
+    docs[("gemma3-1b", "vllm", "quiet")]["results"][0][key] = theirs
+  ratios = SR.vs_vllm(docs, "gemma3-1b", vllm_run="quiet")
+  assert "| 8 | f20_quiet | 0.42x | 1.33x | 1.45x | +20 % | 0.80x | 1.20x |" in ratios
   assert "| gemma3-1b | blink host mode | 3.00 / 3.50 | 20.0 | - | - |" in SR.single_table(docs)
