@@ -25,7 +25,6 @@ small kernel is in every figure). bf16, random values; every sequence's pages it
 from __future__ import annotations
 
 import functools
-import math
 import os
 import sys
 
@@ -117,8 +116,7 @@ class Case:
 
 def copies_for(case: Case, cache_row_bytes: int, kv_mb: int) -> int:
   """Distinct K/V caches that together hold at least kv_mb MiB."""
-  per = case.num_pages * case.page_size * cache_row_bytes
-  return max(1, math.ceil(kv_mb * 2**20 / per))
+  return C.copies_holding(kv_mb, case.num_pages * case.page_size * cache_row_bytes)
 
 
 def our_attention(cfg, rows: int, options, settings: dict | None = None):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import pathlib
 import platform
@@ -416,6 +417,12 @@ def idle_power(key=None, seconds: float = 2.0) -> float | None:
       time.sleep(seconds)
     _IDLE_POWER[key] = meter.joules / meter.seconds if meter.joules is not None else None
   return _IDLE_POWER[key]
+
+
+def copies_holding(mib: int, nbytes: int) -> int:
+  """Distinct copies of an array of `nbytes` that together hold at least `mib` MiB (a loop
+  cycling through them reads from HBM, not from the L2 cache)."""
+  return max(1, math.ceil(mib * 2**20 / nbytes))
 
 
 def torch_graph(chain):

@@ -30,7 +30,6 @@ read it from L2). torch's side is the same chain of products captured in a CUDA 
 """
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +78,7 @@ def projection_shape(cfg, name: str) -> tuple[int, int]:
 
 def copies_for(k: int, n: int, weight_mb: int) -> int:
   """Distinct [K, N] bf16 matrices that together hold at least weight_mb MiB."""
-  return max(1, math.ceil(weight_mb * 2**20 / (k * n * 2)))
+  return C.copies_holding(weight_mb, k * n * 2)
 
 
 def product_loop(variant: str, splits: int | None, steps: int):

@@ -208,9 +208,10 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
   max_pages = page_table.shape[1]
   num_blocks = pl.cdiv(max_pages, pages_per_block)
   if splits is None:
-    # The programs of T fully live rows; up to one split per block when fewer are live.
+    # The programs of T fully live rows; up to one split per block when fewer are live
+    # (default_splits' own cap, so never fewer than per_token).
     per_token = default_splits(tokens, num_kv_heads, num_blocks)
-    most = max(per_token, min(_MAX_SPLITS, pl.next_power_of_2(num_blocks)))
+    most = min(_MAX_SPLITS, pl.next_power_of_2(num_blocks))
   elif splits < 1 or splits & (splits - 1):
     raise ValueError(f"splits must be a power of two, got {splits}")
   else:
