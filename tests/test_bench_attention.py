@@ -3,6 +3,7 @@ the K/V bytes a layer must read, and a measured row whose output is the referenc
 attention's on the same values (the Pallas kernels through Pallas' interpreter here)."""
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from bench import attention as A
 from blink_jax.engine_config import KernelOptions
@@ -64,7 +65,11 @@ def test_kernel_settings_reach_the_kernels():
   P:W:S the decode kernel's of a decode step."""
   cfg = tiny_config("gemma3")
   options = KernelOptions(attention="pallas", prefill="pallas", norm="pallas", decode_rows=8)
-  assert A.prefill_settings("128:8:3") == {"block_rows": 128, "num_warps": 8, "num_stages": 3}
+  assert A.prefill_settings("128:8:3") == {"block_rows": 128, "num_warps": 8, "num_stages": 3,
+                                           "splits": None}
+  assert A.prefill_settings("64:4:2:2")["splits"] == 2
+  with pytest.raises(ValueError, match="A:W:S"):
+    A.prefill_settings("64:4")
   attention, group = A.our_attention(cfg, 24, options, A.prefill_settings("32:4:3"))
   assert group is None and attention.keywords["rest_fn"].keywords["block_rows"] == 32
   case = A.Case("mixed", 2, context=40, tokens=24, prompt=8, page_size=4)
@@ -73,8 +78,11 @@ def test_kernel_settings_reach_the_kernels():
                      config="32:4:3", against=out)
   assert row["variant"] == "ours 32:4:3" and base["variant"] == "ours"
   assert row["max_abs_diff"] < 1e-2
+  row, _ = A.measure(cfg, case, "local", "ours", steps=1, repeats=1, options=options,
+                     config="32:4:3:1", against=out)
+  assert row["max_abs_diff"] < 1e-2
   assert A.decode_settings("0:8:3") == {"pages_per_block": None, "num_warps": 8,
-                                         "num_stages": 3}
+                                         "num_stages": 3, "splits": None}
   attention, group = A.our_attention(cfg, 4, options, A.decode_settings("2:4:2"))
   assert group == 2 and attention.keywords["pages_per_block"] == 2
   decode = A.Case("decode", 4, context=40, page_size=4)
