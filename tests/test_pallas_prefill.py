@@ -144,7 +144,7 @@ def test_segments_are_the_runs_of_each_block():
 
 def test_lowers_to_a_triton_kernel_for_cuda():
   """Gemma 3 1B's attention shape, bf16, a 256-token step: the attention and the merge,
-  16 blocks of 16 tokens."""
+  16 blocks of 16 tokens; with one split the attention alone."""
   shapes = [jax.ShapeDtypeStruct(s, d) for s, d in (
       ((256, 4, 256), jnp.bfloat16), ((4864, 16, 512), jnp.bfloat16), ((64, 76), jnp.int32),
       ((256,), jnp.int32), ((256,), jnp.int32))]
@@ -158,6 +158,10 @@ def test_lowers_to_a_triton_kernel_for_cuda():
       interpret=False), *shapes)
   check_triton_calls(text, 2, (8, 1, 32))
   assert "num_warps = 8" in text
+  # One split: the kernel writes the normalised output, no merge launch.
+  text = lower_for_cuda(lambda *a: paged_prefill_attention(
+      *a, window=512, softcap=None, scale=0.0625, splits=1, interpret=False), *shapes)
+  check_triton_calls(text, 1, (16, 1, 1))
 
 
 @pytest.mark.gpu

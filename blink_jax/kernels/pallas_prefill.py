@@ -51,9 +51,9 @@ def block_tokens(group: int, rows: int = _TARGET_ROWS) -> int:
   return max(1, rows // pl.next_power_of_2(group))
 
 
-def _kernel(q_ref, k_ref, v_ref, table_ref, row_pos_ref, row_run_ref, seg_ref, o_ref, m_ref,
-            l_ref, *, pages_per_block: int, splits: int, window: int | None,
-            softcap: float | None, scale: float):
+def _kernel(q_ref, k_ref, v_ref, table_ref, row_pos_ref, row_run_ref, seg_ref, o_ref, *stats,
+            pages_per_block: int, splits: int, window: int | None, softcap: float | None,
+            scale: float):
   """One (token block, KV head, split): q_ref [R, h] (row r: token r // G of the block,
   query head r % G); k_ref, v_ref [P, page_size, h]; table_ref [S, W] (every sequence's
   page list, clipped to valid page ids and padded); row_pos_ref, row_run_ref [R] (the
@@ -61,7 +61,9 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, row_pos_ref, row_run_ref, seg_ref, o
   (< 0: none), first page, end page. (A sequence may have two segments in a block, e.g.
   a chunk's tokens around another's: rows match their segment, not their sequence, or
   they would see its keys twice.)
-  Writes the split's unnormalised output [R, h] and its softmax max and sum [R]."""
+  Writes the split's unnormalised output [R, h] and its softmax max and sum [R] (stats:
+  m_ref, l_ref); with one split (no stats) the normalised output in o_ref's dtype, so no
+  merge pass reads it again."""
   split = pl.program_id(2)
   page_size = k_ref.shape[1]
   block_keys = pages_per_block * page_size
@@ -105,6 +107,11 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, row_pos_ref, row_run_ref, seg_ref, o
   init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
           jnp.zeros((rows,), jnp.float32))
   o, m, l = lax.fori_loop(0, seg_ref.shape[1], segment, init)
+  if not stats:
+    # Rows that saw no key (padding) have l = 0: zeros, as the merge gives them.
+    o_ref[...] = (o / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
+    return
+  m_ref, l_ref = stats
   o_ref[...] = o
   m_ref[...] = m
   l_ref[...] = l
@@ -179,27 +186,41 @@ def paged_prefill_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.A
 
   kernel = functools.partial(_kernel, pages_per_block=pages_per_block, splits=splits,
                              window=window, softcap=softcap, scale=scale)
+  # Blocks in reverse: a chunk's last blocks read the most keys (causal), so they start
+  # first and the short ones fill in behind them instead of trailing the launch.
+  last = blocks - 1
   keys_spec = pl.BlockSpec((num_pages, page_size, head_dim), lambda b, k, s: (0, 0, k))
   values_spec = pl.BlockSpec((num_pages, page_size, head_dim), lambda b, k, s: (0, 0, num_kv + k))
-  per_row = pl.BlockSpec((None, rows), lambda b, k, s: (b, 0))
-  o, m, l = pl.pallas_call(
+  per_row = pl.BlockSpec((None, rows), lambda b, k, s: (last - b, 0))
+  in_specs = [pl.BlockSpec((None, None, rows, head_dim), lambda b, k, s: (last - b, k, 0, 0)),
+              keys_spec, values_spec,
+              pl.BlockSpec(table.shape, lambda b, k, s: (0, 0)), per_row, per_row,
+              pl.BlockSpec((None, 3, per_block), lambda b, k, s: (last - b, 0, 0))]
+  if splits == 1:
+    # One split: the kernel normalises and writes the output itself (no f32 partials, no
+    # merge launch).
+    out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda b, k, s: (last - b, k, 0, 0))
+    out_shape = jax.ShapeDtypeStruct((blocks, num_kv, rows, head_dim), q.dtype)
+  else:
+    out_specs = [pl.BlockSpec((None, None, None, rows, head_dim),
+                              lambda b, k, s: (s, last - b, k, 0, 0)),
+                 pl.BlockSpec((None, None, None, rows), lambda b, k, s: (s, last - b, k, 0)),
+                 pl.BlockSpec((None, None, None, rows), lambda b, k, s: (s, last - b, k, 0))]
+    out_shape = [jax.ShapeDtypeStruct((splits, blocks, num_kv, rows, head_dim), jnp.float32),
+                 jax.ShapeDtypeStruct((splits, blocks, num_kv, rows), jnp.float32),
+                 jax.ShapeDtypeStruct((splits, blocks, num_kv, rows), jnp.float32)]
+  out = pl.pallas_call(
       kernel,
       grid=(blocks, num_kv, splits),
-      in_specs=[pl.BlockSpec((None, None, rows, head_dim), lambda b, k, s: (b, k, 0, 0)),
-                keys_spec, values_spec,
-                pl.BlockSpec(table.shape, lambda b, k, s: (0, 0)), per_row, per_row,
-                pl.BlockSpec((None, 3, per_block), lambda b, k, s: (b, 0, 0))],
-      out_specs=[pl.BlockSpec((None, None, None, rows, head_dim),
-                              lambda b, k, s: (s, b, k, 0, 0)),
-                 pl.BlockSpec((None, None, None, rows), lambda b, k, s: (s, b, k, 0)),
-                 pl.BlockSpec((None, None, None, rows), lambda b, k, s: (s, b, k, 0))],
-      out_shape=[jax.ShapeDtypeStruct((splits, blocks, num_kv, rows, head_dim), jnp.float32),
-                 jax.ShapeDtypeStruct((splits, blocks, num_kv, rows), jnp.float32),
-                 jax.ShapeDtypeStruct((splits, blocks, num_kv, rows), jnp.float32)],
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
       interpret=interpret,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       name="blink_paged_prefill_attention",
   )(qg, kv_pages, kv_pages, table, row_pos, row_run, segments)
-  out = merge_splits(o, m, l, q.dtype, interpret=interpret)[:, :, :per_block * group]
+  if splits > 1:
+    out = merge_splits(*out, q.dtype, interpret=interpret)
+  out = out[:, :, :per_block * group]
   out = out.reshape(blocks, num_kv, per_block, group, head_dim).transpose(0, 2, 1, 3, 4)
   return out.reshape(blocks * per_block, num_heads, head_dim)[:tokens]
