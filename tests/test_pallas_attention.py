@@ -107,6 +107,16 @@ def test_programs_are_shared_out_among_the_live_rows():
   assert counts([0, 2], tokens=8) == (3, 32)  # 8 x 32 programs at batch 8
 
 
+def test_a_sliding_window_caps_the_splits_at_its_blocks():
+  """Splits in a sliding-window layer: the largest power of two of whole blocks in the
+  window (Gemma 3's 512 keys in blocks of 64: 8), at least one; no cap without a window."""
+  assert pallas_attention.window_splits(512, 64) == 8
+  assert pallas_attention.window_splits(511, 64) == 4
+  assert pallas_attention.window_splits(1024, 32) == 32
+  assert pallas_attention.window_splits(11, 16) == 1
+  assert pallas_attention.window_splits(None, 64) == pallas_attention._MAX_SPLITS
+
+
 @pytest.mark.parametrize("live", [1, 5, 13])
 def test_a_mostly_padded_step_matches_the_reference(live):
   """The decode head's case: 64 rows, the first few live (one padding row among them), the
@@ -143,10 +153,11 @@ def test_lowers_to_a_triton_kernel_for_cuda(window):
                                                           scale=0.0625, interpret=False),
                         *shapes)
   assert text.count(f"@{TRITON}") == 2
-  # default_splits' programs at batch 1 (by KV head), then merge programs over (token, KV
-  # head, slices of the head dims): each loads all splits of the group's 4 query rows (not
-  # the 16 padded ones).
-  splits = default_splits(1, 1, 19)
+  # default_splits' programs at batch 1 (by KV head; a sliding-window layer's no more than
+  # the 8 blocks of 64 keys in its window), then merge programs over (token, KV head,
+  # slices of the head dims): each loads all splits of the group's 4 query rows (not the 16
+  # padded ones).
+  splits = default_splits(1, 1, 19) if window is None else 8
   dims = min(256, 16384 // (splits * 4))
   assert f"grid_x = {splits} : i32, grid_y = 1 : i32, grid_z = 1 : i32" in text
   assert f"grid_x = 1 : i32, grid_y = 1 : i32, grid_z = {256 // dims} : i32" in text

@@ -148,11 +148,25 @@ def _merge_live_kernel(counts_ref, o_ref, m_ref, l_ref, out_ref, *, most: int):
   out_ref[...] = _merged(o, m, l, out_ref.dtype)
 
 
-def default_splits(tokens: int, num_kv_heads: int, num_blocks: int) -> int:
-  """Splits per (token, KV head): enough programs to fill the GPU at small batches, at most
-  one per block of the longest page list."""
-  want = pl.cdiv(_TARGET_PROGRAMS, tokens * num_kv_heads)
+def default_splits(tokens: int, num_kv_heads: int, num_blocks: int,
+                   target: int = _TARGET_PROGRAMS) -> int:
+  """Splits per (token, KV head): enough programs to fill the GPU at small batches (about
+  `target` in all), at most one per block of the longest page list."""
+  want = pl.cdiv(target, tokens * num_kv_heads)
   return max(1, min(pl.next_power_of_2(want), _MAX_SPLITS, pl.next_power_of_2(num_blocks)))
+
+
+def window_splits(window: int | None, block_keys: int) -> int:
+  """Most splits worth a row's context in a sliding-window layer: the largest power of two
+  of whole blocks of `block_keys` keys in the window (a window of 512 keys in blocks of 64:
+  8), so every split walks at least one block (about two when the window straddles one
+  more). A decode step of 16 rows at 1k context took 13.3 us a sliding-window layer with 8
+  splits against 15.6 with 16 on an H100 (docs/PERFORMANCE.md, "The decode head's live
+  splits and the attention's split counts (revision 16424c5)"). No cap without a window."""
+  if window is None:
+    return _MAX_SPLITS
+  blocks = max(1, window // block_keys)
+  return 1 << (blocks.bit_length() - 1)
 
 
 @functools.partial(jax.jit, static_argnames=("window", "softcap", "scale", "pages_per_block",
@@ -209,9 +223,11 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
   num_blocks = pl.cdiv(max_pages, pages_per_block)
   if splits is None:
     # The programs of T fully live rows; up to one split per block when fewer are live
-    # (default_splits' own cap, so never fewer than per_token).
-    per_token = default_splits(tokens, num_kv_heads, num_blocks)
-    most = min(_MAX_SPLITS, pl.next_power_of_2(num_blocks))
+    # (default_splits' own cap, so never fewer than per_token); in a sliding-window layer
+    # no more than its window's blocks.
+    most = min(_MAX_SPLITS, pl.next_power_of_2(num_blocks),
+               window_splits(window, pages_per_block * page_size))
+    per_token = min(default_splits(tokens, num_kv_heads, num_blocks), most)
   elif splits < 1 or splits & (splits - 1):
     raise ValueError(f"splits must be a power of two, got {splits}")
   else:

@@ -33,6 +33,13 @@ from blink_jax.kernels.pallas_attention import (TILE_BYTES, default_pages_per_bl
 # Query rows (block tokens x query heads per KV head) a program holds: 64 x 256 float32
 # accumulators are 128 registers per thread at 4 warps.
 _TARGET_ROWS = 64
+# Programs the default split count aims at, about one per SM (132 on an H100 or H200): a
+# program of 64 rows has more to do than a decode program, and each split costs its rows'
+# f32 partials, written and merged. A 1,024-row mixed step's attention took 1,710 us a step
+# with 2 splits (128 programs) against 1,981 with the decode kernel's aim of 256 (4 splits)
+# and 1,957 with 1 (docs/PERFORMANCE.md, "The decode head's live splits and the attention's
+# split counts (revision 16424c5)").
+_TARGET_PROGRAMS = 128
 _LOG2E = math.log2(math.e)
 
 
@@ -163,7 +170,8 @@ def paged_prefill_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.A
     pages_per_block = prefill_pages_per_block(kv_pages, head_dim, rows)
   max_pages = page_table.shape[1]
   if splits is None:
-    splits = default_splits(blocks, num_kv, pl.cdiv(max_pages, pages_per_block))
+    splits = default_splits(blocks, num_kv, pl.cdiv(max_pages, pages_per_block),
+                            target=_TARGET_PROGRAMS)
   width = pl.next_power_of_2(max_pages + pages_per_block)
 
   # Tokens padded to whole blocks (padding tokens: sequence -1, position -1).
