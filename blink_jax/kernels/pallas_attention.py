@@ -187,7 +187,8 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
   tiles of at most TILE_BYTES, at least 16 keys); splits: programs that share one token's
   context (a power of two). Given, every token gets that many. By default the kernel runs
   T x `default_splits` programs (32 at batch 1, so a 1k-token context of 16-token pages is
-  one 4-page block for each of 16 programs) and shares them out at run time among the rows
+  one 4-page block for each of 16 programs; in a sliding-window layer no more than
+  `window_splits`) and shares them out at run time among the rows
   up to the last live one (sequence >= 0), each getting the largest power of two of them
   that fits, at most one per block of the page list: a step whose rows are mostly padding,
   such as the decode head of a mixed step (`select.head_then_rest`: 256 rows, often a few
