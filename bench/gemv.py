@@ -30,7 +30,6 @@ read it from L2). torch's side is the same chain of products captured in a CUDA 
 """
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from absl import app, flags
