@@ -22,7 +22,7 @@
 # runs that recipe of gpu_check.sh instead, e.g. RECIPE=mixed_profile), on top of
 # what the start call exports (SHAPES, BLINK_GIT_REVISION, CLIENT, ...); `#` starts a comment.
 # The runs go in order after one build; a run with MODES=vllm (or RECIPE=vllm_step or
-# RECIPE=attention, which import vLLM) first waits for the install.
+# RECIPE=attention, which import vLLM, unless ATTN_VARIANTS=ours) first waits for the install.
 # A plan without vLLM runs needs no parts: `start` and `collect` calls only.
 set -uo pipefail
 SRC=$(cd "$(dirname "$0")/.." && pwd)
@@ -45,8 +45,10 @@ run_plan() {  # the background job of `start`
     local name vars
     name=${line%%|*} vars=${line#*|}
     name=${name//[[:space:]]/}
-    # vLLM's serving runs and the recipes that import it wait for its install.
-    if [[ " $vars " =~ [[:space:]](MODES=vllm|RECIPE=vllm_step|RECIPE=attention)[[:space:]] ]]; then
+    # vLLM's serving runs and the recipes that import it wait for its install (the
+    # attention recipe not with ATTN_VARIANTS=ours: our kernels alone).
+    if [[ " $vars " =~ [[:space:]](MODES=vllm|RECIPE=vllm_step|RECIPE=attention)[[:space:]] &&
+          ! " $vars " =~ [[:space:]]ATTN_VARIANTS=ours[[:space:]] ]]; then
       for _ in $(seq 300); do [[ -f $L/install.done ]] && break; sleep 2; done
       [[ -f $L/install.done ]] || note "$name: no vLLM install after 600 s"
     fi
