@@ -1,5 +1,6 @@
 """bench/lease.sh, the multi-call lease, on a fake tree: one build, the plan's runs in order
-with their environments intact, a vLLM run held until the install, each run's results
+with their environments intact, a vLLM run held until the install (our attention kernels
+alone not), each run's results
 brought back by `collect` (docs/PERFORMANCE.md, "Serving at real scale")."""
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ test -f .whl/SHA256SUMS && ls "$WH"/vllm026.tar.xz.part-03 && echo "vllm 0.26.0 
 
 PLAN = """# name | environment
 ours | MODES=persistent TAG=s1
+mine | RECIPE=attention ATTN_VARIANTS=ours TAG=s1   # our kernels alone: no vLLM to wait for
 vllm | MODES=vllm TAG=s1   # waits for the install
 f20  | MODES=persistent TAG=s1f20 SERVE_ARGS="--step_interval_factor 2.0 --x 1"
 prof | RECIPE=mixed_profile MIXED=1024:8
@@ -64,6 +66,7 @@ def test_a_plan_runs_in_order_and_each_run_comes_back(tmp_path):
   assert "started plan.txt" in lease("start", "plan.txt")
   try:
     assert "== ours: done" in lease("collect", "ours", "30")
+    assert "== mine: done" in lease("collect", "mine", "30")
     # The vLLM run waits: nothing installed yet.
     assert "start vllm" not in (tmp_path / "lease" / "progress").read_text()
     lease("part")
@@ -77,14 +80,15 @@ def test_a_plan_runs_in_order_and_each_run_comes_back(tmp_path):
   steps = [line.split(" ", 1)[1] for line in
            (tmp_path / "lease" / "progress").read_text().splitlines()]
   assert steps == ["plan plan.txt", "build", "build rc=0", "start ours", "end ours rc=0",
-                   "install rc=0", "start vllm", "end vllm rc=0", "start f20",
+                   "start mine", "end mine rc=0", "install rc=0", "start vllm", "end vllm rc=0", "start f20",
                    "end f20 rc=0", "start prof", "end prof rc=0", "plan done", "stopped"]
   got = {}
-  for name in ("ours", "vllm", "f20", "prof"):
+  for name in ("ours", "mine", "vllm", "f20", "prof"):
     with tarfile.open(out / f"{name}.tgz") as t:
       got[name] = json.load(t.extractfile(f"out/{name}/run.json"))
   assert got["ours"] == {"RECIPE_RUN": "serving", "MODES": "persistent", "TAG": "s1",
                          "SERVE_ARGS": None, "BUILD": "0", "SHAPES": "gemma3-1b", "MIXED": None}
+  assert got["mine"]["RECIPE_RUN"] == "attention"
   assert got["vllm"]["MODES"] == "vllm"
   assert got["f20"]["SERVE_ARGS"] == "--step_interval_factor 2.0 --x 1"
   assert (got["prof"]["RECIPE_RUN"], got["prof"]["MIXED"]) == ("mixed_profile", "1024:8")
