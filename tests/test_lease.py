@@ -1,7 +1,7 @@
 """bench/lease.sh, the multi-call lease, on a fake tree: one build, the plan's runs in order
 with their environments intact, a vLLM run held until the install (our attention kernels
-alone not), each run's results
-brought back by `collect` (docs/PERFORMANCE.md, "Serving at real scale")."""
+alone not), each run's results brought back by `collect` (docs/PERFORMANCE.md, "Serving at
+real scale")."""
 from __future__ import annotations
 
 import json
