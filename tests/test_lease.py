@@ -80,8 +80,9 @@ def test_a_plan_runs_in_order_and_each_run_comes_back(tmp_path):
   steps = [line.split(" ", 1)[1] for line in
            (tmp_path / "lease" / "progress").read_text().splitlines()]
   assert steps == ["plan plan.txt", "build", "build rc=0", "start ours", "end ours rc=0",
-                   "start mine", "end mine rc=0", "install rc=0", "start vllm", "end vllm rc=0", "start f20",
-                   "end f20 rc=0", "start prof", "end prof rc=0", "plan done", "stopped"]
+                   "start mine", "end mine rc=0", "install rc=0", "start vllm",
+                   "end vllm rc=0", "start f20", "end f20 rc=0", "start prof", "end prof rc=0",
+                   "plan done", "stopped"]
   got = {}
   for name in ("ours", "mine", "vllm", "f20", "prof"):
     with tarfile.open(out / f"{name}.tgz") as t:
