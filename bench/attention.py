@@ -56,12 +56,13 @@ def define_flags():
   flags.DEFINE_integer("page_size", 16, "tokens per KV page (vLLM's block size)")
   flags.DEFINE_list("variants", list(VARIANTS), f"whose attention: {list(VARIANTS)}")
   flags.DEFINE_list("prefill_configs", [], "more rows of ours for the mixed steps, the "
-                    "prefill kernel at other settings: R:W:S[:K] = query rows a program, Triton "
-                    "warps, pipeline stages, splits (the engine's: 64:4:2, K its default)")
+                    "prefill kernel at other settings: R:W:S[:K[:P]] = query rows a program, "
+                    "Triton warps, pipeline stages, splits, pages a block (the engine's: "
+                    "64:4:2, K and P its defaults)")
   flags.DEFINE_list("decode_configs", [], "more rows of ours for the decode steps, the "
                     "decode kernel at other settings: P:W:S[:K] = pages a block (0: its "
                     "default), Triton warps, pipeline stages, splits a row (the engine's: "
-                    "0:4:2, K shared out among the live rows)")
+                    "0:4:1, K shared out among the live rows)")
   flags.DEFINE_string("vllm_path", os.environ.get("VLLM_SITE", "/tmp/vllm/site"),
                       "vLLM's site-packages (bench/vllm_install.sh unpacks them there)")
   flags.DEFINE_integer("kv_mb", 256, "MiB of distinct K/V caches each loop reads in turn")
@@ -151,20 +152,20 @@ def with_settings(attention, settings: dict):
   raise ValueError(f"this step's attention runs no Pallas kernel: {attention}")
 
 
-def _fields(spec: str) -> tuple[int, int, int, int | None]:
-  """A:W:S[:K] -> its integers, K (splits) None when absent or 0."""
+def _fields(spec: str, most: int = 4) -> list[int]:
+  """A:W:S[:K...] -> its integers, the absent ones (up to `most`) 0."""
   parts = [int(x) for x in spec.split(":")]
-  if len(parts) not in (3, 4):
-    raise ValueError(f"a kernel setting is A:W:S or A:W:S:K, got {spec!r}")
-  first, warps, stages, splits = (parts + [0])[:4]
-  return first, warps, stages, splits or None
+  if not 3 <= len(parts) <= most:
+    raise ValueError(f"a kernel setting is A:W:S or A:W:S:K{':P' * (most > 4)}, got {spec!r}")
+  return parts + [0] * (most - len(parts))
 
 
 def prefill_settings(spec: str) -> dict:
-  """R:W:S[:K] -> the prefill kernel's block_rows, num_warps, num_stages and splits (K; its
-  default when absent or 0)."""
-  rows, warps, stages, splits = _fields(spec)
-  return {"block_rows": rows, "num_warps": warps, "num_stages": stages, "splits": splits}
+  """R:W:S[:K[:P]] -> the prefill kernel's block_rows, num_warps, num_stages, splits (K)
+  and pages_per_block (P) (K, P: its defaults when absent or 0)."""
+  rows, warps, stages, splits, pages = _fields(spec, most=5)
+  return {"block_rows": rows, "num_warps": warps, "num_stages": stages,
+          "splits": splits or None, "pages_per_block": pages or None}
 
 
 def decode_settings(spec: str) -> dict:
@@ -172,7 +173,7 @@ def decode_settings(spec: str) -> dict:
   num_stages and splits (K, every row's; 0 or absent: shared out among the live rows)."""
   pages, warps, stages, splits = _fields(spec)
   return {"pages_per_block": pages or None, "num_warps": warps, "num_stages": stages,
-          "splits": splits}
+          "splits": splits or None}
 
 
 def grouped_query(q: jax.Array, group: int | None, num_kv_heads: int) -> jax.Array:

@@ -66,10 +66,13 @@ def test_kernel_settings_reach_the_kernels():
   cfg = tiny_config("gemma3")
   options = KernelOptions(attention="pallas", prefill="pallas", norm="pallas", decode_rows=8)
   assert A.prefill_settings("128:8:3") == {"block_rows": 128, "num_warps": 8, "num_stages": 3,
-                                           "splits": None}
+                                           "splits": None, "pages_per_block": None}
   assert A.prefill_settings("64:4:2:2")["splits"] == 2
+  assert A.prefill_settings("64:4:1:0:2")["pages_per_block"] == 2
   with pytest.raises(ValueError, match="A:W:S"):
     A.prefill_settings("64:4")
+  with pytest.raises(ValueError, match="A:W:S"):
+    A.decode_settings("0:4:1:2:2")
   attention, group = A.our_attention(cfg, 24, options, A.prefill_settings("32:4:3"))
   assert group is None and attention.keywords["rest_fn"].keywords["block_rows"] == 32
   case = A.Case("mixed", 2, context=40, tokens=24, prompt=8, page_size=4)
@@ -80,6 +83,11 @@ def test_kernel_settings_reach_the_kernels():
   assert row["max_abs_diff"] < 1e-2
   row, _ = A.measure(cfg, case, "local", "ours", steps=1, repeats=1, options=options,
                      config="32:4:3:1", against=out)
+  assert row["max_abs_diff"] < 1e-2
+  attention, _ = A.our_attention(cfg, 24, options, A.prefill_settings("32:4:1:0:1"))
+  assert attention.keywords["rest_fn"].keywords["pages_per_block"] == 1
+  row, _ = A.measure(cfg, case, "local", "ours", steps=1, repeats=1, options=options,
+                     config="32:4:1:0:1", against=out)
   assert row["max_abs_diff"] < 1e-2
   assert A.decode_settings("0:8:3") == {"pages_per_block": None, "num_warps": 8,
                                          "num_stages": 3, "splits": None}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import tarfile
@@ -94,3 +95,38 @@ def test_a_plan_runs_in_order_and_each_run_comes_back(tmp_path):
   assert got["f20"]["SERVE_ARGS"] == "--step_interval_factor 2.0 --x 1"
   assert (got["prof"]["RECIPE_RUN"], got["prof"]["MIXED"]) == ("mixed_profile", "1024:8")
   assert (tmp_path / "lease" / "out" / "build" / "built").exists()
+
+
+def _recipes() -> set[str]:
+  """The recipe names of bench/gpu_check.sh's table, and its A/B."""
+  text = (ROOT / "bench" / "gpu_check.sh").read_text()
+  table = text.split("RECIPES=$(cat <<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
+  return {line.split("|", 1)[0].strip() for line in table.splitlines() if "|" in line} | {"ab"}
+
+
+def test_the_committed_plans_name_real_recipes_and_sides():
+  """Every line of bench/plans/*.txt, read as lease.sh reads it, is shell assignments that
+  name recipes gpu_check.sh has, and an A/B gives each of its sides its own AB_ARGS_<side>
+  (gpu_check.sh reads no plain AB_ARGS: such a side would run with no arguments)."""
+  recipes = _recipes()
+  assert {"serving", "ab", "attention", "tests", "mixed_profile"} <= recipes
+  plans = sorted((ROOT / "bench" / "plans").glob("*.txt"))
+  assert plans
+  for plan in plans:
+    runs = 0
+    for line in plan.read_text().splitlines():
+      line = line.split("#", 1)[0]
+      if "|" not in line:
+        continue
+      name, words = line.split("|", 1)
+      env = dict(w.split("=", 1) for w in shlex.split(words))  # a word without = fails here
+      runs += 1
+      where = f"{plan.name}: {name.strip()}"
+      for key in ("RECIPE", "AB_RECIPE"):
+        assert env.get(key, "serving") in recipes, where
+      if env.get("RECIPE") == "ab":
+        sides = [s.split("=", 1)[0] for s in env["AB"].split()]
+        assert "AB_ARGS" not in env, where
+        if any(k.startswith("AB_ARGS_") for k in env):
+          assert {f"AB_ARGS_{s}" for s in sides} <= set(env), where
+    assert runs, plan.name

@@ -40,6 +40,13 @@ TILE_BYTES = 32 * 1024
 # Programs the default split count aims at: about two per SM of an H200 (132 SMs), so a
 # batch-1 step spreads one token's context over 32 programs instead of a handful.
 _TARGET_PROGRAMS = 256
+# Triton's pipeline stages of the decode kernel: one K and one V tile in flight, 64 KiB of
+# shared memory, room for three programs an SM to hide each other's chains of dependent page
+# reads (two stages, 128 KiB, left room for one). A layer's attention took 12.0 / 14.3 us
+# against 13.4 / 18.1 at 16 rows (sliding-window / global), 26.1 / 40.5 against 32.5 / 48.3
+# at 64 on an H100, as fast as vLLM's FlashAttention 3 on the same pages (docs/PERFORMANCE.md,
+# "Our attention beside vLLM's FlashAttention 3 (revision 247bf2e)").
+_STAGES = 1
 # Most splits the default picks: 32 beat 16 at batch 1 on the H200 (1.81 vs 1.90 ms per 1B
 # token; 2.45 vs 2.42 at 64).
 _MAX_SPLITS = 32
@@ -176,8 +183,8 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.Ar
                            seq_ids: jax.Array, positions: jax.Array, *, window: int | None,
                            softcap: float | None, scale: float,
                            pages_per_block: int | None = None, splits: int | None = None,
-                           group: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                           interpret: bool | None = None):
+                           group: int | None = None, num_warps: int = 4,
+                           num_stages: int = _STAGES, interpret: bool | None = None):
   """Attention of each token q [T, H, h] over its sequence's cached keys, read in place from
   kv_pages [P, page_size, 2 * K * h] (see `attention.paged_attention_reference`). q may
   also come grouped by KV head and padded, [T, K, query_rows(G), h] with `group` = G query
