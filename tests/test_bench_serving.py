@@ -600,3 +600,32 @@ def test_client_procs_send_every_request_on_the_schedule_of_one(server, tmp_path
   # process, never before them (one process's starts are the schedule, within a few ms).
   firsts = [(a["start_s"], b["start_s"]) for a, b in zip(one[::2], two[::2])]
   assert all(a - 0.01 <= b <= a + 0.5 for a, b in firsts), firsts
+
+
+def test_energy_panels_label_their_log_axis(tmp_path, monkeypatch):
+  """The energy and step panels' log y axes keep labelled ticks when the values span less
+  than a decade (only minor ticks fall inside: switching them off left the axes unlabelled)."""
+  matplotlib = pytest.importorskip("matplotlib")
+  import matplotlib.figure
+  saved = []
+  savefig = matplotlib.figure.Figure.savefig
+
+  def keep(fig, *args, **kwargs):
+    savefig(fig, *args, **kwargs)
+    saved.append(fig)
+
+  monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+
+  def rows(joules, steps):
+    return [{"rate": rate, "output_throughput": 100.0 * rate, "request_throughput": rate,
+             "energy_per_token_j": joules / rate, "device_steps_per_output_token": steps / rate,
+             "ttft_ms_p99": 10.0, "tpot_ms_p99": 2.0} for rate in (16, 32)]
+
+  BS.plot_results([("ours", rows(0.9, 1.4)), ("peer", rows(0.7, 0.75))], tmp_path / "p.png",
+                  ("p99",))
+  (fig,) = saved
+  for ax in fig.axes[6:8]:
+    labels = [t.get_text() for t in ax.get_yticklabels(which="both")
+              if ax.get_ylim()[0] <= t.get_position()[1] <= ax.get_ylim()[1]]
+    assert any(labels), ax.get_title()
+  assert [t.get_text() for t in fig.axes[6].get_xticklabels()] == ["16", "32"]
