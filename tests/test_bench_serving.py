@@ -605,16 +605,15 @@ def test_client_procs_send_every_request_on_the_schedule_of_one(server, tmp_path
 def test_energy_panels_label_their_log_axis(tmp_path, monkeypatch):
   """The energy and step panels' log y axes keep labelled ticks when the values span less
   than a decade (only minor ticks fall inside: switching them off left the axes unlabelled)."""
-  matplotlib = pytest.importorskip("matplotlib")
-  import matplotlib.figure
+  figure = pytest.importorskip("matplotlib.figure")
   saved = []
-  savefig = matplotlib.figure.Figure.savefig
+  savefig = figure.Figure.savefig
 
   def keep(fig, *args, **kwargs):
     savefig(fig, *args, **kwargs)
     saved.append(fig)
 
-  monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+  monkeypatch.setattr(figure.Figure, "savefig", keep)
 
   def rows(joules, steps):
     return [{"rate": rate, "output_throughput": 100.0 * rate, "request_throughput": rate,
