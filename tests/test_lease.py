@@ -97,18 +97,19 @@ def test_a_plan_runs_in_order_and_each_run_comes_back(tmp_path):
   assert (tmp_path / "lease" / "out" / "build" / "built").exists()
 
 
-def _recipes() -> set[str]:
-  """The recipe names of bench/gpu_check.sh's table, and its A/B."""
-  text = (ROOT / "bench" / "gpu_check.sh").read_text()
-  table = text.split("RECIPES=$(cat <<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
-  return {line.split("|", 1)[0].strip() for line in table.splitlines() if "|" in line} | {"ab"}
+def _recipes(out: Path) -> set[str]:
+  """The recipes `bash bench/gpu_check.sh list` names, and its A/B (its call folder: out)."""
+  listed = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "list"], check=True,
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "OUT": str(out)}).stdout
+  return {line.split()[0] for line in listed.splitlines() if line.strip()} | {"ab"}
 
 
-def test_the_committed_plans_name_real_recipes_and_sides():
+def test_the_committed_plans_name_real_recipes_and_sides(tmp_path):
   """Every line of bench/plans/*.txt, read as lease.sh reads it, is shell assignments that
   name recipes gpu_check.sh has, and an A/B gives each of its sides its own AB_ARGS_<side>
   (gpu_check.sh reads no plain AB_ARGS: such a side would run with no arguments)."""
-  recipes = _recipes()
+  recipes = _recipes(tmp_path)
   assert {"serving", "ab", "attention", "tests", "mixed_profile"} <= recipes
   plans = sorted((ROOT / "bench" / "plans").glob("*.txt"))
   assert plans
