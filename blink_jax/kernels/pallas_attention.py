@@ -357,9 +357,10 @@ def kv_heads(num_heads: int, head_dim: int, kv_width: int) -> int:
   return num_kv_heads
 
 
-def default_pages_per_block(kv_pages: jax.Array, head_dim: int) -> int:
-  """Pages per inner step: K and V tiles of at most TILE_BYTES each, at least 16 keys (the
+def default_pages_per_block(kv_pages: jax.Array, head_dim: int,
+                            tile_bytes: int = TILE_BYTES) -> int:
+  """Pages per inner step: K and V tiles of at most `tile_bytes` each, at least 16 keys (the
   smallest Triton dot)."""
   page_size = kv_pages.shape[1]
-  tile_pages = TILE_BYTES // (kv_pages.dtype.itemsize * head_dim * page_size)
+  tile_pages = tile_bytes // (kv_pages.dtype.itemsize * head_dim * page_size)
   return pl.next_power_of_2(max(1, tile_pages, pl.cdiv(16, page_size)))

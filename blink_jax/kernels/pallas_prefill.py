@@ -41,15 +41,23 @@ _TARGET_ROWS = 64
 # split counts (revision 16424c5)").
 _TARGET_PROGRAMS = 128
 _LOG2E = math.log2(math.e)
+# Bytes of each of a program's K and V tiles: half the decode kernel's, 32 keys of 256-wide
+# bf16 heads. Two pipeline stages of them take 64 KiB of shared memory where 64-key tiles took
+# 128, so more programs share an SM: a 4,096-row mixed step's attention (1B shape, H100) took
+# 2,965 us a step against 3,516 with 64-key tiles, a 1,024-row one 1,505 against 1,559
+# (2,048 rows: 1,993 against 1,970) (docs/PERFORMANCE.md, "The one-stage decode kernel end to
+# end and the prefill kernel's key blocks (revision 6edd339)").
+_TILE_BYTES = TILE_BYTES // 2
 
 
 def prefill_pages_per_block(kv_pages: jax.Array, head_dim: int, rows: int) -> int:
-  """The decode kernel's pages per step, fewer when a block's float32 scores [rows, keys]
-  would pass TILE_BYTES: narrow heads get wide K/V tiles, and 64 rows x 512 keys of scores
-  asked 228 KiB of shared memory (more than an H200 SM has)."""
+  """Pages per step for K and V tiles of _TILE_BYTES, fewer when a block's float32 scores
+  [rows, keys] would pass TILE_BYTES: narrow heads get wide K/V tiles, and 64 rows x 512 keys
+  of scores asked 228 KiB of shared memory (more than an H200 SM has)."""
   page_size = kv_pages.shape[1]
   score_pages = max(1, TILE_BYTES // (4 * rows * page_size))
-  fit = min(default_pages_per_block(kv_pages, head_dim), 1 << (score_pages.bit_length() - 1))
+  fit = min(default_pages_per_block(kv_pages, head_dim, _TILE_BYTES),
+            1 << (score_pages.bit_length() - 1))
   return max(fit, pl.next_power_of_2(pl.cdiv(16, page_size)))
 
 
@@ -152,9 +160,9 @@ def paged_prefill_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.A
                             num_stages: int = 2, interpret: bool | None = None) -> jax.Array:
   """Attention of each token q [T, H, h] over its sequence's cached keys, read in place from
   kv_pages [P, page_size, 2 * K * h] (see `attention.paged_attention_reference`), tokens
-  taken `block_tokens(G, block_rows)` at a time. pages_per_block, splits, interpret: as
-  `pallas_attention.paged_decode_attention` (splits: programs that share each block's
-  pages; default from the number of blocks). block_rows, num_warps, num_stages: a
+  taken `block_tokens(G, block_rows)` at a time. pages_per_block (default
+  `prefill_pages_per_block`), splits, interpret: as `pallas_attention.paged_decode_attention`
+  (splits: programs that share each block's pages; default from the number of blocks). block_rows, num_warps, num_stages: a
   program's query rows and Triton's warps and pipeline stages (the defaults are the
   engine's; `bench.attention --prefill_configs` times others)."""
   if interpret is None:
