@@ -162,9 +162,9 @@ def paged_prefill_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.A
   kv_pages [P, page_size, 2 * K * h] (see `attention.paged_attention_reference`), tokens
   taken `block_tokens(G, block_rows)` at a time. pages_per_block (default
   `prefill_pages_per_block`), splits, interpret: as `pallas_attention.paged_decode_attention`
-  (splits: programs that share each block's pages; default from the number of blocks). block_rows, num_warps, num_stages: a
-  program's query rows and Triton's warps and pipeline stages (the defaults are the
-  engine's; `bench.attention --prefill_configs` times others)."""
+  (splits: programs that share each block's pages; default from the number of blocks).
+  block_rows, num_warps, num_stages: a program's query rows and Triton's warps and pipeline
+  stages (the defaults are the engine's; `bench.attention --prefill_configs` times others)."""
   if interpret is None:
     interpret = jax.devices()[0].platform != "gpu"
   tokens, num_heads, head_dim = q.shape
