@@ -7,7 +7,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from blink_jax.model.attention import kv_rows, write_kv
-from blink_jax.kernels.pallas_prefill import _segments, block_tokens, paged_prefill_attention
+from blink_jax.kernels import pallas_prefill
+from blink_jax.kernels.pallas_attention import TILE_BYTES
+from blink_jax.kernels.pallas_prefill import (_segments, block_tokens, paged_prefill_attention,
+                                              prefill_pages_per_block)
+from blink_jax.model.config import CONFIGS
 from tests.cuda_lowering import check_triton_calls, lower_for_cuda, require_gpu
 from tests.oracles import paged_attention
 
@@ -140,6 +144,34 @@ def test_segments_are_the_runs_of_each_block():
   np.testing.assert_array_equal(run, [[0, 0, 1, 1], [0, 0, 0, 0]])
   assert block_tokens(4) == 16 and block_tokens(1) == 64 and block_tokens(8) == 8
   assert block_tokens(4, 128) == 32 and block_tokens(16, 32) == 2
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("page_size", [8, 16, 32])
+def test_key_blocks_fit_the_tile_budget(name, page_size):
+  """Every model's key blocks: a power of two of pages, at least 16 keys (the smallest Triton
+  dot), K and V tiles within the prefill tile bytes and float32 scores within TILE_BYTES
+  unless 16 keys alone pass them (an SM's shared memory holds both, two stages deep)."""
+  cfg = CONFIGS[name]
+  kv_pages = jax.ShapeDtypeStruct((64, page_size, 2 * cfg.num_kv_heads * cfg.head_dim),
+                                  jnp.bfloat16)
+  group = cfg.num_heads // cfg.num_kv_heads
+  rows = max(16, 1 << (block_tokens(group) * group - 1).bit_length())
+  pages = prefill_pages_per_block(kv_pages, cfg.head_dim, rows)
+  keys = pages * page_size
+  assert pages & (pages - 1) == 0 and keys >= 16
+  if keys > 16:
+    assert keys * cfg.head_dim * 2 <= pallas_prefill._TILE_BYTES
+    assert rows * keys * 4 <= TILE_BYTES
+
+
+def test_the_1b_shape_walks_32_key_blocks():
+  """The setting measured fastest for the 1B shape's mixed steps (docs/PERFORMANCE.md, "The
+  one-stage decode kernel end to end and the prefill kernel's key blocks (revision 6edd339)"):
+  32 keys a block at the engine's 16-token pages, where the decode kernel reads 64."""
+  cfg = CONFIGS["gemma3-1b"]
+  kv_pages = jax.ShapeDtypeStruct((64, 16, 2 * cfg.head_dim), jnp.bfloat16)
+  assert prefill_pages_per_block(kv_pages, cfg.head_dim, 64) * 16 == 32
 
 
 def test_lowers_to_a_triton_kernel_for_cuda():
