@@ -10,7 +10,7 @@ from blink_jax.model.attention import kv_rows, write_kv
 from blink_jax.kernels import pallas_prefill
 from blink_jax.kernels.pallas_attention import TILE_BYTES
 from blink_jax.kernels.pallas_prefill import (_segments, block_tokens, paged_prefill_attention,
-                                              prefill_pages_per_block)
+                                              prefill_pages_per_block, program_rows)
 from blink_jax.model.config import CONFIGS
 from tests.cuda_lowering import check_triton_calls, lower_for_cuda, require_gpu
 from tests.oracles import paged_attention
@@ -155,8 +155,7 @@ def test_key_blocks_fit_the_tile_budget(name, page_size):
   cfg = CONFIGS[name]
   kv_pages = jax.ShapeDtypeStruct((64, page_size, 2 * cfg.num_kv_heads * cfg.head_dim),
                                   jnp.bfloat16)
-  group = cfg.num_heads // cfg.num_kv_heads
-  rows = max(16, 1 << (block_tokens(group) * group - 1).bit_length())
+  rows = program_rows(cfg.num_heads // cfg.num_kv_heads)
   pages = prefill_pages_per_block(kv_pages, cfg.head_dim, rows)
   keys = pages * page_size
   assert pages & (pages - 1) == 0 and keys >= 16
@@ -171,7 +170,8 @@ def test_the_1b_shape_walks_32_key_blocks():
   32 keys a block at the engine's 16-token pages, where the decode kernel reads 64."""
   cfg = CONFIGS["gemma3-1b"]
   kv_pages = jax.ShapeDtypeStruct((64, 16, 2 * cfg.head_dim), jnp.bfloat16)
-  assert prefill_pages_per_block(kv_pages, cfg.head_dim, 64) * 16 == 32
+  rows = program_rows(cfg.num_heads // cfg.num_kv_heads)
+  assert prefill_pages_per_block(kv_pages, cfg.head_dim, rows) * 16 == 32
 
 
 def test_lowers_to_a_triton_kernel_for_cuda():

@@ -66,6 +66,12 @@ def block_tokens(group: int, rows: int = _TARGET_ROWS) -> int:
   return max(1, rows // pl.next_power_of_2(group))
 
 
+def program_rows(group: int, rows: int = _TARGET_ROWS) -> int:
+  """The query rows a program holds (its block's tokens x `group`, padded to a power of two
+  and at least 16, the smallest Triton dot)."""
+  return max(16, pl.next_power_of_2(block_tokens(group, rows) * group))
+
+
 def _kernel(q_ref, k_ref, v_ref, table_ref, row_pos_ref, row_run_ref, seg_ref, o_ref, *stats,
             pages_per_block: int, splits: int, window: int | None, softcap: float | None,
             scale: float):
@@ -173,7 +179,7 @@ def paged_prefill_attention(q: jax.Array, kv_pages: jax.Array, page_table: jax.A
   group = num_heads // num_kv
   per_block = block_tokens(group, block_rows)
   blocks = pl.cdiv(tokens, per_block)
-  rows = max(16, pl.next_power_of_2(per_block * group))
+  rows = program_rows(group, block_rows)
   if pages_per_block is None:
     pages_per_block = prefill_pages_per_block(kv_pages, head_dim, rows)
   max_pages = page_table.shape[1]
