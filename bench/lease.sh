@@ -2,7 +2,7 @@
 # A lease of several device calls that runs a plan of serving runs, blink-jax's and the vLLM
 # peer's, on one GPU machine. Why several calls: a call carries at most 64 MiB with the tree
 # and runs at most 10 minutes, and the machine goes back 30 s after a call ends, while the
-# vLLM payload is six parts of 20 MiB (bench/vllm_payload.sh) and a plan runs for longer. So
+# vLLM payload is three parts of 40 MiB (bench/vllm_payload.sh) and a plan runs for longer. So
 # the first call starts the whole plan in the background (it outlives the call, working in a
 # copy of the tree that later calls' copies cannot land under), the next calls bring one part
 # each, the one with the last part installs vLLM, and every later call waits for a run and
@@ -10,8 +10,9 @@
 # Each call follows the last at once (docs/PERFORMANCE.md, "Serving at real scale").
 #
 #   call 1     bash bench/lease.sh start PLAN      carry .whl/vllm026.tar.xz.part-00, .carry_xz
-#   calls 2-5  bash bench/lease.sh part            carry .whl/vllm026.tar.xz.part-01 (-02, -03, -04)
-#   call 6     bash bench/lease.sh install         carry .whl/vllm026.tar.xz.part-05, .whl/SHA256SUMS
+#   call 2     bash bench/lease.sh part            carry .whl/vllm026.tar.xz.part-01 (and each
+#                                                  further part but the last, a call each)
+#   call 3     bash bench/lease.sh install         carry the last part (-02), .whl/SHA256SUMS
 #   then       bash bench/lease.sh collect RUN [S]  until RUN is done or S seconds (default
 #                                                   540) pass: $OUT/RUN.tgz, the progress
 #              bash bench/lease.sh status           the progress so far

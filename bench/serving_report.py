@@ -49,7 +49,7 @@ def load(folder: pathlib.Path, prefix: str) -> dict:
   out = {}
   for p in sorted(folder.glob(f"{prefix}*.json")):
     if m := pat.match(p.name):
-      out[m.groups()] = json.loads(p.read_text())
+      out[m.groups()] = BS.load_result(p)
   return out
 
 

@@ -8,9 +8,11 @@
 #   bash bench/vllm_payload.sh          -> .whl/vllm026.tar.xz.part-NN, .whl/SHA256SUMS
 #
 # Why: the wheels are 466 MiB (deflate); unpacked and xz-compressed, less the parts below, the
-# set is about 3.7x smaller (119 MiB), so it travels in 6 calls of 20 MiB instead of 11 (a call
-# carries 64 MiB with the working tree, itself 35 MB of it since bench/results grew), and all
-# of it fits one lease beside the runs. Left out, each checked in
+# set is about 3.7x smaller (119 MiB), so it travels in 3 calls of 40 MiB instead of 6 (a call
+# carries 64 MiB with the working tree, about 14 MB of it since the serving results keep their
+# per-request records gzipped, bench/results/README.md; the first call also carries the
+# tokenizer, 1.7 MB, and an A/B's old tree, some 3 MB), and all of it fits one lease beside the
+# runs. Left out, each checked in
 # vLLM 0.26's sources (docs/PERFORMANCE.md, "Against vLLM in one lease"):
 #   vllm_flash_attn/_vllm_fa2_C   FlashAttention 2: on SM90 vLLM takes FA3 (fa_utils.py), and
 #                                 flash_attn_interface imports each version under try/except
@@ -22,7 +24,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REQ=${REQ:-../shared/peers/vllm-0.26/requirements-lean.txt}
-PART_MIB=${PART_MIB:-20}
+PART_MIB=${PART_MIB:-40}
 WORK=${WORK:-/tmp/vllm_payload}
 mkdir -p "$WORK/wheels" .whl
 PLAT="$(for n in $(seq 17 39); do printf -- '--platform manylinux_2_%s_x86_64 ' "$n"; done)"

@@ -339,8 +339,11 @@ def test_end_to_end_against_frontend_worker(server, tmp_path):
                      *interference)
   assert "request_throughput" in stdout  # the printed table
   assert "device_schedule_scan_us_per_iteration" in stdout  # and the device loop's
-  doc = json.loads(out.read_text())
+  doc = BS.load_result(out)
   assert doc["benchmark"] == "serving" and doc["model"] == MODEL
+  # The per-request records are in their own gzipped file, not in the result's JSON.
+  assert "requests" not in json.loads(out.read_text())
+  assert BS.requests_path(out).name == doc["requests_file"]
   assert doc["max_context"] == dc.max_context and doc["label"] == "e2e"
   assert [r["rate"] for r in doc["results"]] == [40.0, "inf"]
   for row in doc["results"]:
@@ -407,7 +410,7 @@ def test_fixed_max_tokens_text_prompts(server, tmp_path):
   _run_tool("--base-url", base_url, "--api-key", API_KEY, "--num-prompts", "6", "--rates", "inf",
             "--prompt-format", "text", "--input-len", "20", "--max-tokens", "12", "--no-plot",
             "--out", str(out))
-  doc = json.loads(out.read_text())
+  doc = BS.load_result(out)
   reqs = doc["requests"]["inf"]
   assert all(r["ok"] and r["output_tokens"] == 12 and r["max_tokens"] == 12 for r in reqs)
   assert not out.with_suffix(".png").exists()
@@ -419,7 +422,7 @@ def test_multi_turn_turns_wait_for_the_previous_answer(server, tmp_path):
   _run_tool("--base-url", base_url, "--api-key", API_KEY, "--num-prompts", "6", "--rates", "inf",
             "--vocab-size", str(dc.vocab_size), "--input-len", "8", "--max-tokens", "4",
             "--multi-turn", "3", "--no-plot", "--out", str(out))
-  doc = json.loads(out.read_text())
+  doc = BS.load_result(out)
   assert doc["multi_turn"] == 3
   reqs = doc["requests"]["inf"]
   assert [r["input_len"] for r in reqs] == [8, 20, 32] * 2 and all(r["ok"] for r in reqs)
@@ -436,7 +439,7 @@ def test_fresh_prompts_give_each_rate_its_own_set(server, tmp_path):
               "100,inf", "--vocab-size", str(dc.vocab_size), "--max-tokens", "2",
               "--max-input-len", "200", "--no-plot", "--out", str(out),
               *([] if fresh else ["--no-fresh-prompts"]))  # fresh by default
-    doc = json.loads(out.read_text())
+    doc = BS.load_result(out)
     assert doc["fresh_prompts"] == fresh
     first, second = ([r["input_len"] for r in reqs] for reqs in doc["requests"].values())
     assert (first == second) == (not fresh), (fresh, first, second)
@@ -517,6 +520,28 @@ def test_power_sampler_splits_the_energy_between_requests_and_gaps(monkeypatch):
       / (r["busy_s"] + r["gap_s"]))
 
 
+def test_per_request_records_live_beside_the_result(tmp_path):
+  """A result names the gzipped file of its per-request records, which load_result reads
+  back; a result with its records inline (older files) loads as it is."""
+  records = {"4.0": [{"input_len": 7, "max_tokens": 3, "ok": True, "error": None,
+                      "start_s": 0.25, "ttft_s": 0.01, "e2e_s": 0.03, "output_tokens": 3,
+                      "chunks": 3}], "inf": []}
+  out = tmp_path / "serving_x_quiet.json"
+  side = BS.write_requests(out, records)
+  assert side == tmp_path / "serving_x_quiet.requests.json.gz"
+  assert side.read_bytes() == BS.write_requests(out, records).read_bytes()  # no timestamp
+  out.write_text(json.dumps({"results": [], "requests_file": side.name}))
+  assert BS.load_result(out) == {"results": [], "requests_file": side.name,
+                                 "requests": records}
+  renamed = tmp_path / "serving_y_quiet.json"  # the result and its records renamed together
+  out.rename(renamed)
+  side.rename(BS.requests_path(renamed))
+  assert BS.load_result(renamed)["requests"] == records
+  inline = tmp_path / "old.json"
+  inline.write_text(json.dumps({"results": [], "requests": records}))
+  assert BS.load_result(inline) == {"results": [], "requests": records}
+
+
 def test_goodput_recomputed_from_saved_requests():
   recs = _records()
   saved = {"results": [{"rate": 4.0, "duration_s": 2.0}],
@@ -547,7 +572,7 @@ def _four_requests(tmp_path, tokenizer_path, *args) -> tuple[dict, list[dict]]:
                 "--no-plot", "--out", str(out), *args)
     finally:
       FD.terminate(proc)
-    return json.loads(out.read_text()), fake.device.requests
+    return BS.load_result(out), fake.device.requests
 
 
 def test_sampling_flags_reach_every_request(tmp_path, tokenizer_path):
@@ -589,7 +614,7 @@ def test_client_procs_send_every_request_on_the_schedule_of_one(server, tmp_path
               "50", "--vocab-size", str(dc.vocab_size), "--input-len", "8", "--max-tokens",
               "3", "--multi-turn", "2", "--client-procs", str(procs), "--no-plot", "--out",
               str(out))
-    docs[procs] = json.loads(out.read_text())
+    docs[procs] = BS.load_result(out)
   one, two = (docs[p]["requests"]["50.0"] for p in (1, 2))
   assert docs[2]["client_procs"] == 2 and docs[2]["results"][0]["completed"] == 8
   assert [r["input_len"] for r in one] == [r["input_len"] for r in two]
