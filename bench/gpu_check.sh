@@ -125,7 +125,7 @@ export GPU_TEST_FILES=$(echo $GPU_TEST_FILES)
 # The vLLM peer (issue 27), in one lease (bench/lease.sh runs the whole choreography below from
 # a plan file, bench/plans/; by hand: the machine goes back 30 s after a call: each call
 # follows the last at once): `bash bench/vllm_payload.sh` here makes .whl/vllm026.tar.xz.part-NN
-# (4 parts of 30 MiB); each call carries one part and .whl/SHA256SUMS and starts with
+# (3 parts of 40 MiB); each call carries one part and .whl/SHA256SUMS and starts with
 # `mkdir -p /tmp/wh && cp .whl/vllm026.tar.xz.part-* /tmp/wh/`, then does its run: the first
 # builds (`bash bench/gpu_check.sh build`, or in its own session, `setsid nohup ... &`, which
 # outlives the call) and serves blink-jax, the last runs `bash bench/vllm_install.sh` (it also
@@ -135,8 +135,8 @@ export GPU_TEST_FILES=$(echo $GPU_TEST_FILES)
 # .carry/tokenizer.model. A sweep of 100 requests per rate at 1-32 req/s and all at once takes
 # about 3.5 minutes after the server's start; BURST=1000 adds the 1,000-request burst on the
 # same server (about 20 s for blink-jax, 45 s for vLLM) instead of a second start. A call
-# carries at most 64 MiB with the tree (about 12 MB): one part and the tokenizer, not two
-# parts; the tokenizer compresses to 1.7 MB (`mkdir -p .carry_xz && xz -9 -k -c
+# carries at most 64 MiB with the tree (about 12 MB, the serving results' per-request records
+# gzipped beside them): one part and the tokenizer, not two parts; the tokenizer compresses to 1.7 MB (`mkdir -p .carry_xz && xz -9 -k -c
 # .carry/tokenizer.model > .carry_xz/tokenizer.model.xz`; carry .carry_xz, which this script
 # unpacks into .carry/ on the device). blink-jax's start took 128 s in the e33d055 lease; INTERFERENCE=1 at 2-32 req/s
 # (quiet then thrashers) about 5.5 minutes with it. The GPU test files of `tests` take more
