@@ -157,7 +157,8 @@ def command_line() -> str:
 
 # ---- kernel flags (benchmarks that build an engine or an executor) ----
 
-KERNEL_FLAGS = ("attention", "prefill", "norm", "gemv", "decode_rows", "decode_head")
+KERNEL_FLAGS = ("attention", "prefill", "norm", "gemv", "decode_rows", "decode_head",
+                "split_matmul")
 
 
 def define_kernel_flags(flag_values=None) -> None:

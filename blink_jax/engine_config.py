@@ -103,6 +103,13 @@ class KernelOptions:
                                    "decode rows 14.7 instead of 23.2 ms; "
                                    "docs/PERFORMANCE.md, \"Decode rows in mixed steps\"). "
                                    "0: the prefill kernel takes every row.")
+  split_matmul: bool = _field(False, "The output and down projections of GPU decode steps of "
+                              "2 to decode_rows tokens as XLA matmuls over slices of K, whose "
+                              "float32 partial sums the Pallas add + norm kernel adds up, "
+                              "instead of XLA's split-K GEMMs and their reduction kernels "
+                              "(one launch a projection less). Off until its step A/B "
+                              "(docs/PERFORMANCE.md, \"Known gaps\"); with the Pallas norm "
+                              "kernels only.")
 
   def __post_init__(self):
     for name, kinds in (("attention", ATTENTION_KINDS), ("prefill", ATTENTION_KINDS),
@@ -110,6 +117,8 @@ class KernelOptions:
       if getattr(self, name) not in kinds:
         raise ValueError(f"{name} must be one of {kinds}, got {getattr(self, name)!r}")
     self.gemv_projections("gpu")  # validates the names
+    if not isinstance(self.split_matmul, bool):
+      raise ValueError(f"split_matmul must be True or False, got {self.split_matmul!r}")
     if not isinstance(self.decode_rows, int) or self.decode_rows < 1:
       raise ValueError(f"decode_rows must be an integer >= 1, got {self.decode_rows!r}")
     if self.decode_head is not None and (not isinstance(self.decode_head, int)
