@@ -103,11 +103,12 @@ class KernelOptions:
                                    "decode rows 14.7 instead of 23.2 ms; "
                                    "docs/PERFORMANCE.md, \"Decode rows in mixed steps\"). "
                                    "0: the prefill kernel takes every row.")
-  split_matmul: bool = _field(False, "The output and down projections of GPU decode steps of "
-                              "2 to decode_rows tokens as XLA matmuls over slices of K, whose "
-                              "float32 partial sums the Pallas add + norm kernel adds up, "
-                              "instead of XLA's split-K GEMMs and their reduction kernels "
-                              "(one launch a projection less). Off until its step A/B "
+  split_matmul: bool = _field(False, "The q/k/v, output and down projections of GPU decode "
+                              "steps of 2 to decode_rows tokens as XLA matmuls over slices of "
+                              "K, whose float32 partial sums the Pallas prepare and add + norm "
+                              "kernels add up, instead of XLA's split-K GEMMs and their "
+                              "reduction kernels (one launch a projection less). Off until "
+                              "its step A/B "
                               "(docs/PERFORMANCE.md, \"Known gaps\"); with the Pallas norm "
                               "kernels only.")
 

@@ -1,6 +1,6 @@
 """`kernels.split_matmul`: XLA's matmul as float32 partial sums over slices of K, for the
-output and down projections of GPU decode steps of 2 to decode_rows tokens, added up by the
-Pallas add + norm kernel."""
+q/k/v, output and down projections of GPU decode steps of 2 to decode_rows tokens, added up
+by the Pallas prepare and add + norm kernels."""
 import re
 
 import jax
@@ -78,15 +78,16 @@ def _options(**kw) -> KernelOptions:
 
 
 @pytest.mark.parametrize("tokens", [2, 16, 64])
-def test_gpu_decode_steps_of_several_tokens_split_their_output_and_down(tokens):
+def test_gpu_decode_steps_of_several_tokens_split_their_projections(tokens):
   cfg = get_config("gemma3-270m")
   kernels = step_kernels(cfg, _options(), tokens, interpret=False)
+  assert kernels.qkv_matmul is split_matmul.partials
   assert kernels.out_project is split_matmul.out_project
   assert kernels.ffw_down is split_matmul.ffw_down
-  # Two batched matmuls a layer (batching dimension: the slices of K), none elsewhere.
+  # Three batched matmuls a layer (batching dimension: the slices of K), none elsewhere.
   text = _lowered(cfg, kernels, tokens)
   batched = re.findall(r"stablehlo\.dot_general.*batching_dims = \[1\] x \[0\]", text)
-  assert len(batched) == 2 * cfg.num_layers
+  assert len(batched) == 3 * cfg.num_layers
 
 
 def test_split_matmul_is_a_bool_and_off_by_default():
@@ -100,12 +101,36 @@ def test_other_steps_keep_their_projections():
   cfg = get_config("gemma3-270m")
   one = step_kernels(cfg, _options(), 1, interpret=False)  # the CUDA GEMV's partials
   assert one.out_project.func is cuda_gemv.out_project and one.ffw_down.func is cuda_gemv.ffw_down
+  assert one.qkv_matmul.func is cuda_gemv.partials
   for kernels in (step_kernels(cfg, _options(), 65, interpret=False),   # prefill-sized
                   step_kernels(cfg, _options(split_matmul=False), 16, interpret=False),
                   step_kernels(cfg, _options(norm="reference"), 16, interpret=False),
                   step_kernels(cfg, _options(), 16, interpret=True)):   # not on a GPU
     assert kernels.out_project is not split_matmul.out_project
     assert kernels.ffw_down is not split_matmul.ffw_down
+    assert kernels.qkv_matmul is not split_matmul.partials
+
+
+def _step(cfg, dtype, rows: int, kernels_of):
+  """A decode step of `rows` sequences at position 100 with random weights: {split: (hidden
+  states, caches)} for kernels_of(split) -> StepKernels."""
+  from flax import nnx
+
+  from blink_jax.model.gemma import Gemma, init_kv_cache
+  model = Gemma(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+  pages = 8
+  kv = init_kv_cache(cfg, rows * pages + 1, 16, dtype)
+  table = jnp.arange(rows * pages, dtype=jnp.int32).reshape(rows, pages) + 1
+  tokens = jnp.asarray(np.random.default_rng(8).integers(0, cfg.vocab_size, rows), jnp.int32)
+  positions = jnp.full((rows,), 100, jnp.int32)
+  seq_ids = jnp.arange(rows, dtype=jnp.int32)
+  out = {}
+  with jax.default_matmul_precision("highest"):
+    for on in (False, True):
+      kernels = kernels_of(on)
+      out[on] = jax.jit(lambda kv: model.forward(tokens, positions, seq_ids, table, kv,
+                                                 kernels))(kv)
+  return out
 
 
 def _relative(a, b) -> float:
@@ -122,24 +147,32 @@ def test_a_decode_step_with_split_matmul_matches_xla_matmuls_on_the_gpu(dtype, b
   # rounding that 26 layers of random weights amplify (on a CPU, the 270M shape's 18
   # layers: 1.4 % apart).
   require_gpu()
-  from flax import nnx
-
-  from blink_jax.model.gemma import Gemma, init_kv_cache
   cfg = get_config("gemma3-1b")
-  model = Gemma(cfg, dtype=dtype, rngs=nnx.Rngs(0))
-  rows, pages = 16, 8
-  kv = init_kv_cache(cfg, rows * pages + 1, 16, dtype)
-  table = jnp.arange(rows * pages, dtype=jnp.int32).reshape(rows, pages) + 1
-  tokens = jnp.asarray(np.random.default_rng(8).integers(0, cfg.vocab_size, rows), jnp.int32)
-  positions = jnp.full((rows,), 100, jnp.int32)
-  seq_ids = jnp.arange(rows, dtype=jnp.int32)
-  out = {}
-  with jax.default_matmul_precision("highest"):
-    for on in (False, True):
-      kernels = step_kernels(cfg, _options(split_matmul=on), rows, interpret=False)
-      assert (kernels.ffw_down is split_matmul.ffw_down) == on
-      out[on] = jax.jit(lambda kv: model.forward(tokens, positions, seq_ids, table, kv,
-                                                 kernels))(kv)
+
+  def kernels_of(on):
+    kernels = step_kernels(cfg, _options(split_matmul=on), 16, interpret=False)
+    assert (kernels.ffw_down is split_matmul.ffw_down) == on
+    return kernels
+  out = _step(cfg, dtype, 16, kernels_of)
   (hidden_off, cache_off), (hidden_on, cache_on) = out[False], out[True]
   assert _relative(hidden_on, hidden_off) < bound
   assert max(_relative(a, b) for a, b in zip(cache_on, cache_off)) < bound
+
+
+def test_a_step_through_the_interpreted_kernels_is_the_same_step():
+  # Off the GPU the engine never splits (XLA's CPU matmuls have no split-K reductions to
+  # save); here the split projections go through the Pallas prepare and add + norm kernels
+  # in Pallas' interpreter, against the same kernels fed XLA's whole products, in float32.
+  import dataclasses
+
+  from blink_jax.model.config import tiny_config
+  cfg = tiny_config("gemma3")
+  base = step_kernels(cfg, _options(attention="reference", prefill="reference", gemv="none"),
+                      8, interpret=True)
+  split = dataclasses.replace(base, qkv_matmul=split_matmul.partials,
+                              out_project=split_matmul.out_project,
+                              ffw_down=split_matmul.ffw_down)
+  out = _step(cfg, jnp.float32, 8, lambda on: split if on else base)
+  (hidden_off, cache_off), (hidden_on, cache_on) = out[False], out[True]
+  assert _relative(hidden_on, hidden_off) < 1e-5
+  assert max(_relative(a, b) for a, b in zip(cache_on, cache_off)) < 1e-5

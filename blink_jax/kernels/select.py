@@ -12,9 +12,9 @@ The one place that knows how the fast kernels fit together:
   blocks up to the step's context; "reference" the oracle, which reads every whole page table;
 - the CUDA GEMV runs the named projections of one-token steps; the output and down
   projections only with the Pallas add + norm kernel, which adds up their partial sums (and
-  the q/k prepare kernel those of the q/k/v projection); with `split_matmul` the output and
-  down projections of GPU steps of 2 to `decode_rows` tokens are XLA matmuls over slices of
-  K whose partial sums the add + norm kernel adds up too (`split_matmul`);
+  the q/k prepare kernel those of the q/k/v projection); with `split_matmul` the q/k/v,
+  output and down projections of GPU steps of 2 to `decode_rows` tokens are XLA matmuls
+  over slices of K whose partial sums those kernels add up too (`split_matmul`);
 - off the GPU every other projection and the output layer run `cpu_matmul`'s matmuls (the
   form XLA's CPU backend runs fast in bfloat16; the plain matmul in float32);
 - on the GPU a step finds its top-k / top-p thresholds with `cuda_sampler`'s radix
@@ -114,8 +114,9 @@ def step_kernels(cfg, options: KernelOptions, rows: int, *, interpret: bool) -> 
     kernels["out_project"] = use(cuda_gemv.out_project)
   if (options.split_matmul and sums_partials and not interpret
       and 1 < rows <= options.decode_rows):
-    # XLA's GEMMs, split here so that the add + norm kernel adds up the slices instead of a
-    # split-K reduction kernel of XLA's (split_matmul).
+    # XLA's GEMMs, split here so that the prepare and add + norm kernels add up the slices
+    # instead of a split-K reduction kernel of XLA's (split_matmul).
+    kernels.setdefault("qkv_matmul", split_matmul.partials)
     kernels.setdefault("out_project", split_matmul.out_project)
     kernels.setdefault("ffw_down", split_matmul.ffw_down)
   if not interpret:

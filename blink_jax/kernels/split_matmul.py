@@ -1,14 +1,14 @@
-"""XLA's matmul as split partial sums, for the output and down projections of GPU decode steps
-of 2 to `decode_rows` tokens (`KernelOptions.split_matmul`, off until its step A/B): x [T, K]
-@ w [K, N] as a batched bf16 matmul over S slices of K, float32 partial sums [S, T, N] that
-the Pallas add + norm kernel adds up as it loads them (as it does the CUDA GEMV's at one
-token).
+"""XLA's matmul as split partial sums, for the q/k/v, output and down projections of GPU
+decode steps of 2 to `decode_rows` tokens (`KernelOptions.split_matmul`, off until its step
+A/B): x [T, K] @ w [K, N] as a batched bf16 matmul over S slices of K, float32 partial sums
+[S, T, N] that the Pallas q/k prepare and add + norm kernels add up as they load them (as
+they do the CUDA GEMV's at one token).
 
 Why: a 16-row 1B decode step on an H100 runs three reduction kernels a layer of 1.3-1.5 us,
 by their count the split-K reductions XLA puts after its skinny Triton GEMMs (some 100 us of
 a 1,623 us step; docs/PERFORMANCE.md, "The one-stage decode kernel end to end and the prefill
-kernel's key blocks (revision 6edd339)"). With the split made here the output and down
-projections would need none: one launch a projection less, if XLA does not split the
+kernel's key blocks (revision 6edd339)"). With the split made here the q/k/v, output and
+down projections would need none: one launch a projection less, if XLA does not split the
 batched matmul again (the step A/B and its kernel profile will say).
 """
 from __future__ import annotations
