@@ -305,6 +305,10 @@ class EngineConfig:
                        f"{self.compilation_cache_dir!r}")
     if not isinstance(self.kernels, KernelOptions):
       raise TypeError(f"kernels must be a KernelOptions, got {type(self.kernels).__name__}")
+    if self.tensor_parallel > 1 and self.kernels.split_matmul:
+      # The sums over the shards would carry every slice's float32 partials.
+      raise ValueError(f"split_matmul is for one device, not tensor_parallel="
+                       f"{self.tensor_parallel}")
 
   @classmethod
   def from_kwargs(cls, base: "EngineConfig | None" = None, **kw) -> "EngineConfig":

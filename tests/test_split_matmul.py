@@ -90,11 +90,15 @@ def test_gpu_decode_steps_of_several_tokens_split_their_projections(tokens):
   assert len(batched) == 3 * cfg.num_layers
 
 
-def test_split_matmul_is_a_bool_and_off_by_default():
+def test_split_matmul_is_a_bool_off_by_default_and_for_one_device():
+  from blink_jax.engine_config import EngineConfig
   assert KernelOptions().split_matmul is False
   assert KernelOptions().resolved("gpu").split_matmul is False
   with pytest.raises(ValueError, match="split_matmul must be True or False"):
     KernelOptions(split_matmul="yes")
+  EngineConfig(kernels=KernelOptions(split_matmul=True))
+  with pytest.raises(ValueError, match="split_matmul is for one device"):
+    EngineConfig(tensor_parallel=2, kernels=KernelOptions(split_matmul=True))
 
 
 def test_other_steps_keep_their_projections():
