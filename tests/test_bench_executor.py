@@ -60,7 +60,8 @@ def test_cpu_run_writes_rows_for_every_mode_and_batch(tmp_path):
   # The kernels are flags (KernelOptions), recorded as asked and as resolved on the CPU; no
   # BLINK_* environment is dumped.
   assert res["kernels"]["asked"] == {"attention": "auto", "prefill": "auto", "norm": "auto",
-                                     "gemv": "none", "decode_rows": 8, "decode_head": None}
+                                     "gemv": "none", "decode_rows": 8, "decode_head": None,
+                                     "split_matmul": False}
   assert res["kernels"]["resolved"]["attention"] == "blocked"
   assert res["modes"]["persistent"]["kernels"]["gemv"] == "none"
   assert "blink_env" not in res
