@@ -157,13 +157,9 @@ def command_line() -> str:
 
 # ---- kernel flags (benchmarks that build an engine or an executor) ----
 
-KERNEL_FLAGS = ("attention", "prefill", "norm", "gemv", "decode_rows", "decode_head",
-                "split_matmul")
-
-
 def define_kernel_flags(flag_values=None) -> None:
   """One absl flag per KernelOptions field (--attention --prefill --norm --gemv
-  --decode_rows --decode_head), the same names and help as scripts/serve.py's, defaulting to the
+  --decode_rows --decode_head --split_matmul), the same names and help as scripts/serve.py's, defaulting to the
   dataclass's defaults."""
   import dataclasses
 
@@ -189,12 +185,14 @@ def define_engine_flag(name: str, flag_values=None) -> None:
 
 
 def kernel_options(flag_values=None):
-  """The KernelOptions the kernel flags ask for."""
+  """The KernelOptions the kernel flags ask for (`define_kernel_flags`: one per field)."""
+  import dataclasses
+
   from absl import flags
 
   from blink_jax.engine import KernelOptions
   fv = flag_values or flags.FLAGS
-  return KernelOptions(**{name: fv[name].value for name in KERNEL_FLAGS})
+  return KernelOptions(**{f.name: fv[f.name].value for f in dataclasses.fields(KernelOptions)})
 
 
 def kernels_record(options, platform: str | None = None) -> dict:

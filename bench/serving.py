@@ -331,7 +331,7 @@ def goodput(records: list[Record], duration_s: float, slo_ttft_ms: float | None,
 
 
 # A result's per-request records go to a gzipped file beside it, `<result stem>` + this suffix,
-# named by the result's "requests_file": they are nine tenths of a result's bytes (some 0.5 MB
+# which the result's "requests_file" names: they are nine tenths of a result's bytes (some 0.5 MB
 # for 600 requests at 3 rates, 80 KB gzipped), and the device call that starts a lease carries
 # the tree with bench/results in at most 64 MiB (bench/lease.sh).
 REQUESTS_SUFFIX = ".requests.json.gz"
@@ -352,16 +352,13 @@ def write_requests(result: str | pathlib.Path, per_request: dict) -> pathlib.Pat
 
 
 def load_result(path: str | pathlib.Path) -> dict:
-  """A result file with its per-request records under "requests" (older results hold them
-  inline), read from the file named after the result (`requests_path`, so that a result
-  renamed with its records stays whole) or else from the one its "requests_file" names."""
+  """A result file with its per-request records under "requests": inline in older results,
+  else from the file named after the result (`requests_path`, so that a result renamed with
+  its records stays whole; "requests_file" says there is one)."""
   path = pathlib.Path(path)
   doc = json.loads(path.read_text())
   if "requests" not in doc and doc.get("requests_file"):
-    side = requests_path(path)
-    if not side.exists():
-      side = path.parent / doc["requests_file"]
-    doc["requests"] = json.loads(gzip.decompress(side.read_bytes()))
+    doc["requests"] = json.loads(gzip.decompress(requests_path(path).read_bytes()))
   return doc
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from blink_jax.kernels import split_matmul
 from blink_jax.native import ffi
 from blink_jax.model.gemma import MLP, sum_partials
 
@@ -52,14 +53,10 @@ def usable(tokens: int, k: int, n: int) -> bool:
 
 
 def reference_partials(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
-  """The kernel's result with jnp: the sums over each split's rows of K
-  (split s: rows [s * chunk, (s + 1) * chunk), chunk = ceil(K / splits))."""
-  k = x.shape[1]
-  chunk = -(-k // splits)
-  pad = chunk * splits - k
-  xs = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, pad))).reshape(x.shape[0], splits, chunk)
-  ws = jnp.pad(w.astype(jnp.float32), ((0, pad), (0, 0))).reshape(splits, chunk, w.shape[1])
-  return jnp.einsum("tsk,skn->stn", xs, ws, precision=jax.lax.Precision.HIGHEST)
+  """The kernel's result with jnp: the sums over each split's rows of K, in float32 at the
+  highest precision (`split_matmul.partials`' slices)."""
+  return split_matmul.partials(x.astype(jnp.float32), w.astype(jnp.float32), splits,
+                               precision=jax.lax.Precision.HIGHEST)
 
 
 def partials(x: jax.Array, w: jax.Array, splits: int | None = None, *,

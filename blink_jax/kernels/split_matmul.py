@@ -34,9 +34,11 @@ def default_splits(k: int, n: int) -> int:
   return want
 
 
-def partials(x: jax.Array, w: jax.Array, splits: int | None = None) -> jax.Array:
-  """x [T, K], w [K, N] -> float32 partial sums [S, T, N] whose sum is x @ w (K padded with
-  zeros to a multiple of S), in x's dtype with float32 accumulation."""
+def partials(x: jax.Array, w: jax.Array, splits: int | None = None,
+             precision: jax.lax.Precision | None = None) -> jax.Array:
+  """x [T, K], w [K, N] -> float32 partial sums [S, T, N] whose sum is x @ w (split s: rows
+  [s * chunk, (s + 1) * chunk) of K, chunk = ceil(K / S), K padded with zeros), in x's dtype
+  with float32 accumulation (`cuda_gemv.reference_partials`: float32 at `precision`)."""
   t, k = x.shape
   n = w.shape[1]
   if w.shape[0] != k:
@@ -46,7 +48,8 @@ def partials(x: jax.Array, w: jax.Array, splits: int | None = None) -> jax.Array
   pad = chunk * splits - k
   xs = jnp.pad(x, ((0, 0), (0, pad))).reshape(t, splits, chunk)
   ws = jnp.pad(w.astype(x.dtype), ((0, pad), (0, 0))).reshape(splits, chunk, n)
-  return jnp.einsum("tsk,skn->stn", xs, ws, preferred_element_type=jnp.float32)
+  return jnp.einsum("tsk,skn->stn", xs, ws, preferred_element_type=jnp.float32,
+                    precision=precision)
 
 
 def ffw_down(gate_up: jax.Array, down: jax.Array) -> jax.Array:
